@@ -1,0 +1,461 @@
+"""SlimMultiheadAttention: stock ``nn.MultiheadAttention`` without the key bias, batch-first and lean."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.parameter import Parameter
+
+from .bias import SlimBiases, fold_key_bias, keeps_key_bias, unfold_key_bias
+
+__all__ = ["SlimMultiheadAttention"]
+
+_STOCK_BIAS = "in_proj_bias"
+
+
+class SlimMultiheadAttention(nn.MultiheadAttention):
+    r"""A drop-in ``nn.MultiheadAttention`` that stores no key bias and computes the same function.
+
+    Same constructor and ``forward`` as stock, same return values, same initialisation (a seeded
+    construction draws the same weights). It differs in how it computes, not in what:
+
+    * **No key bias.** ``b_k`` shifts every score of a query by the same ``q·b_k`` and softmax ignores
+      such shifts, so it is not stored, added, or trained. With ``add_bias_kv`` the appended key is
+      stored as ``bias_k - b_k`` (the same row shift applied to it). With ``add_zero_attn`` and a bias
+      the zero key breaks the argument, so ``b_k`` is kept as ``k_proj_bias``. The maths is in
+      :mod:`slim_mha.bias`.
+    * **Lean path.** One fused input projection; heads are split as views in the caller's layout;
+      ``scaled_dot_product_attention`` whenever weights are not requested; no ``batch_first``
+      transposes and no packed-projection copies.
+
+    State-dict layout (a stable format, version 1), per module prefix:
+
+    ============================  =============  ================================================
+    key                           shape          present when
+    ============================  =============  ================================================
+    ``in_proj_weight``            ``(3E, E)``    ``kdim == vdim == E`` (as stock)
+    ``q/k/v_proj_weight``         as stock       ``kdim`` or ``vdim`` differ (as stock)
+    ``q_proj_bias``               ``(E,)``       ``bias=True``
+    ``v_proj_bias``               ``(E,)``       ``bias=True`` and the value bias was not folded
+    ``k_proj_bias``               ``(E,)``       ``bias=True`` and ``add_zero_attn=True``
+    ``bias_k``                    ``(1, 1, E)``  ``add_bias_kv``; holds ``bias_k - b_k`` unless
+                                                 ``k_proj_bias`` is kept
+    ``bias_v``                    ``(1, 1, E)``  ``add_bias_kv`` (as stock)
+    ``out_proj.weight/.bias``     as stock       as stock
+    ============================  =============  ================================================
+
+    ``load_state_dict`` accepts stock state dicts too (``in_proj_bias`` is folded on the way in).
+
+    Compatibility with code written for stock:
+
+    * Reading ``in_proj_bias`` returns the stock ``(3E,)`` layout, computed from the parameters, with
+      a zero key slice (or the kept ``k_proj_bias``), or ``None`` without bias. Together with
+      ``bias_k`` it describes a stock module with the same function, so torch's own
+      ``TransformerEncoderLayer`` fast path, init and inspection code keep working.
+    * Assigning a ``(3E,)`` ``Parameter`` to ``in_proj_bias`` splits it and folds its key slice.
+    * Because the value read is computed, **in-place writes to it** (``nn.init.zeros_(m.in_proj_bias)``,
+      ``m.in_proj_bias.data.copy_(...)``) do not reach the parameters: write to ``q_proj_bias`` and
+      ``v_proj_bias``, or assign a new ``Parameter``.
+    * The parameter count is ``embed_dim`` lower than stock's with ``bias=True`` (unless
+      ``add_zero_attn``); ``bias_k`` reads as the folded value.
+    """
+
+    _version = 1  # of the state-dict layout above; stock checkpoints carry no version of ours
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be greater than 0,"
+                f" got embed_dim={embed_dim} and num_heads={num_heads} instead"
+            )
+        # Stock's __init__ registers a packed in_proj_bias that we replace by a computed view, so it
+        # is re-done here, allocating and initialising in stock's order so seeded weights match.
+        nn.Module.__init__(self)
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != self.embed_dim:
+            raise AssertionError("embed_dim must be divisible by num_heads")
+
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = Parameter(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = Parameter(torch.empty((embed_dim, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+
+        self.add_zero_attn = add_zero_attn
+        keep_key = bias and keeps_key_bias(add_zero_attn=add_zero_attn)
+        for name, present in (("q_proj_bias", bias), ("k_proj_bias", keep_key), ("v_proj_bias", bias)):
+            self.register_parameter(name, Parameter(torch.empty(embed_dim, **factory)) if present else None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+
+        if add_bias_kv:
+            self.bias_k = Parameter(torch.empty((1, 1, embed_dim), **factory))
+            self.bias_v = Parameter(torch.empty((1, 1, embed_dim), **factory))
+        else:
+            self.bias_k = self.bias_v = None
+
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # Same draws, in the same order, as stock: its zero key slice needs no draw either.
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            xavier_uniform_(self.q_proj_weight)
+            xavier_uniform_(self.k_proj_weight)
+            xavier_uniform_(self.v_proj_weight)
+        for bias in (self.q_proj_bias, self.k_proj_bias, self.v_proj_bias):
+            if bias is not None:
+                constant_(bias, 0.0)
+        if self.q_proj_bias is not None and self.out_proj.bias is not None:
+            constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            xavier_normal_(self.bias_v)
+
+    # ------------------------------------------------------------------ stock-compatible bias view
+
+    @property
+    def in_proj_bias(self) -> Tensor | None:
+        """Stock's packed ``[b_q; b_k; b_v]``, computed: the key slice is zero unless kept."""
+        packed, _ = unfold_key_bias(self._slim_biases(), embed_dim=self.embed_dim)
+        return packed
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == _STOCK_BIAS:
+            self._assign_in_proj_bias(value)
+        else:
+            super().__setattr__(name, value)
+
+    def _assign_in_proj_bias(self, value: Tensor | None) -> None:
+        if value is not None and not isinstance(value, Parameter):
+            raise TypeError(
+                f"cannot assign '{torch.typename(value)}' as parameter 'in_proj_bias' "
+                "(torch.nn.Parameter or None expected)"
+            )
+        if value is not None and tuple(value.shape) != (3 * self.embed_dim,):
+            raise ValueError(
+                f"in_proj_bias must have shape ({3 * self.embed_dim},) = 3*embed_dim, "
+                f"got {tuple(value.shape)}"
+            )
+        with torch.no_grad():
+            biases = fold_key_bias(
+                None if value is None else value.detach(), self.bias_k, add_zero_attn=self.add_zero_attn
+            )
+        requires_grad = value.requires_grad if value is not None else False
+        for name in ("q_proj_bias", "v_proj_bias", "k_proj_bias"):
+            tensor = getattr(biases, name)
+            setattr(self, name, None if tensor is None else Parameter(tensor, requires_grad=requires_grad))
+        if self.bias_k is not None and biases.bias_k is not self.bias_k:
+            with torch.no_grad():
+                self.bias_k.copy_(biases.bias_k)
+
+    def _slim_biases(self) -> SlimBiases:
+        return SlimBiases(self.q_proj_bias, self.v_proj_bias, self.k_proj_bias, self.bias_k)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # A stock checkpoint carries in_proj_bias; fold it into our layout before the usual loading.
+        # Without input biases of our own, leave it for torch to report as unexpected.
+        stock_key = prefix + _STOCK_BIAS
+        if stock_key in state_dict and self.q_proj_bias is not None:
+            packed = state_dict.pop(stock_key)
+            if tuple(packed.shape) != (3 * self.embed_dim,):
+                error_msgs.append(
+                    f"size mismatch for {stock_key}: copying a param with shape {packed.shape} from "
+                    f"checkpoint, the shape in current model is torch.Size([{3 * self.embed_dim}])."
+                )
+            else:
+                with torch.no_grad():
+                    biases = fold_key_bias(
+                        packed, state_dict.get(prefix + "bias_k"), add_zero_attn=self.add_zero_attn
+                    )
+                for name, tensor in biases._asdict().items():
+                    if tensor is not None:
+                        state_dict[prefix + name] = tensor
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    # ------------------------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
+        if query.is_nested or key.is_nested or value.is_nested:
+            # Only stock's native kernel takes nested tensors; it reads our computed in_proj_bias.
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+        return self._attend(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
+        batch_first = self.batch_first or not is_batched
+        if not is_batched:  # unbatched (L, E): a batch of one, batch-first
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        self._check_embed_dims(query, key, value)
+
+        q, k, v = self._project(query, key, value, batch_first)  # (B, H, L, D), (B, H, S, D) x2
+        (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
+        mask, is_causal = self._attention_mask(
+            attn_mask, key_padding_mask, is_causal, need_weights, query.dtype, batch, tgt_len, src_len
+        )
+        k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
+        dropout_p = self.dropout if self.training else 0.0
+
+        if need_weights:
+            out, weights = _attention_with_weights(q, k, v, mask, dropout_p)  # (B, H, L, D), (B, H, L, S)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+            weights = None
+
+        out = F.linear(_merge_heads(out, batch_first), self.out_proj.weight, self.out_proj.bias)
+        if not is_batched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
+
+    # --------------------------------------------------------------------------------- the steps
+
+    def _check_embed_dims(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        # Same exception types and wording as F.multi_head_attention_forward.
+        if query.shape[-1] != self.embed_dim:
+            raise AssertionError(
+                f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}"
+            )
+        if self._qkv_same_embed_dim:
+            if key.shape != value.shape:
+                raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+        elif key.shape[:2] != value.shape[:2]:
+            raise AssertionError(
+                f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
+            )
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Input projections, fused as far as the inputs allow; returns ``(B, H, len, D)`` views."""
+        E = self.embed_dim
+        bias = self._packed_bias()
+        if not self._qkv_same_embed_dim:
+            b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
+            return (
+                _split_heads(F.linear(query, self.q_proj_weight, b_q), 1, self.num_heads, batch_first)[0],
+                _split_heads(F.linear(key, self.k_proj_weight, b_k), 1, self.num_heads, batch_first)[0],
+                _split_heads(F.linear(value, self.v_proj_weight, b_v), 1, self.num_heads, batch_first)[0],
+            )
+        weight = self.in_proj_weight
+        if query is key and key is value:  # self-attention: one matmul
+            return _split_heads(F.linear(query, weight, bias), 3, self.num_heads, batch_first)
+        b_q, b_kv = bias.split([E, 2 * E]) if bias is not None else (None, None)
+        (q,) = _split_heads(F.linear(query, weight[:E], b_q), 1, self.num_heads, batch_first)
+        if key is value:  # encoder-decoder attention: one matmul for keys and values
+            k, v = _split_heads(F.linear(key, weight[E:], b_kv), 2, self.num_heads, batch_first)
+            return q, k, v
+        b_k, b_v = b_kv.chunk(2) if b_kv is not None else (None, None)
+        (k,) = _split_heads(F.linear(key, weight[E : 2 * E], b_k), 1, self.num_heads, batch_first)
+        (v,) = _split_heads(F.linear(value, weight[2 * E :], b_v), 1, self.num_heads, batch_first)
+        return q, k, v
+
+    def _packed_bias(self) -> Tensor | None:
+        """``[b_q; b_k or 0; b_v or 0]`` for the fused matmul: one small cat, gradients only to real biases."""
+        packed, _ = unfold_key_bias(self._slim_biases(), embed_dim=self.embed_dim)
+        return packed
+
+    def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them."""
+        B, H, _, D = k.shape
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)
+            v = torch.cat([v, self.bias_v.view(1, H, 1, D).expand(B, H, 1, D).to(v.dtype)], dim=2)
+        elif self.bias_k is not None or self.bias_v is not None:
+            raise AssertionError("bias_k and bias_v must be both set or both None")
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(B, H, 1, D)], dim=2)
+            v = torch.cat([v, v.new_zeros(B, H, 1, D)], dim=2)
+        return k, v
+
+    def _num_appended(self) -> int:
+        return int(self.bias_k is not None) + int(self.add_zero_attn)
+
+    def _attention_mask(
+        self,
+        attn_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        dtype: torch.dtype,
+        batch: int,
+        tgt_len: int,
+        src_len: int,
+    ) -> tuple[Tensor | None, bool]:
+        """Stock's mask rules, as one additive mask broadcastable to ``(B, H, L, S')``.
+
+        Returns the mask and whether SDPA may use ``is_causal`` instead of it (only when no padding
+        mask and no weights are involved, exactly as stock decides).
+        """
+        key_padding_mask = F._canonical_mask(
+            mask=key_padding_mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(attn_mask),
+            other_name="attn_mask",
+            target_type=dtype,
+        )
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
+                "method `generate_square_subsequent_mask` to create this mask."
+            )
+        if is_causal and key_padding_mask is None and not need_weights:
+            return None, True
+        attn_mask = F._canonical_mask(
+            mask=attn_mask,
+            mask_name="attn_mask",
+            other_type=None,
+            other_name="",
+            target_type=dtype,
+            check_other=False,
+        )
+        appended = self._num_appended()
+        if attn_mask is not None:
+            attn_mask = self._shape_attn_mask(attn_mask, tgt_len, src_len, batch)
+            if appended:
+                attn_mask = F.pad(attn_mask, (0, appended))
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (batch, src_len):
+                raise AssertionError(
+                    f"Expected key_padding_mask of shape {(batch, src_len)} (batch, source length), "
+                    f"but got {tuple(key_padding_mask.shape)}"
+                )
+            if appended:
+                key_padding_mask = F.pad(key_padding_mask, (0, appended))
+            key_padding_mask = key_padding_mask.view(batch, 1, 1, -1)  # (B, 1, 1, S')
+            attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+        return attn_mask, False
+
+    def _shape_attn_mask(self, attn_mask: Tensor, tgt_len: int, src_len: int, batch: int) -> Tensor:
+        """2-D ``(L, S)`` stays; 3-D ``(B*H, L, S)`` becomes ``(B, H, L, S)``; stock's checks and messages."""
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (tgt_len, src_len):
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+                )
+            return attn_mask
+        if attn_mask.dim() == 3:
+            expected = (batch * self.num_heads, tgt_len, src_len)
+            if tuple(attn_mask.shape) != expected:
+                raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {expected}.")
+            return attn_mask.view(batch, self.num_heads, tgt_len, src_len)
+        raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+
+    def extra_repr(self) -> str:
+        extras = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}", f"batch_first={self.batch_first}"]
+        if self.dropout:
+            extras.append(f"dropout={self.dropout}")
+        if not self._qkv_same_embed_dim:
+            extras.append(f"kdim={self.kdim}, vdim={self.vdim}")
+        if self.bias_k is not None:
+            extras.append("add_bias_kv=True")
+        if self.add_zero_attn:
+            extras.append("add_zero_attn=True")
+        return ", ".join(extras)
+
+
+def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:
+    """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
+
+    Splitting the last axis (not unbinding a 5-D view) makes the backward a single ``cat`` straight
+    into the projection's layout, instead of a ``stack`` followed by a permuting copy.
+    """
+    d0, d1, width = projected.shape
+    head_dim = width // (parts * num_heads)
+    order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
+    return [
+        part.view(d0, d1, num_heads, head_dim).permute(order)  # (B, H, L, D)
+        for part in projected.split(num_heads * head_dim, dim=-1)
+    ]
+
+
+def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
+    """``(B, H, L, D)`` -> ``(B, L, E)`` or ``(L, B, E)``; free when SDPA wrote ``(B, L, H, D)`` memory."""
+    B, H, L, D = out.shape
+    if batch_first:
+        return out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
+    return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
+
+
+def _attention_with_weights(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """softmax(q kᵀ / sqrt(D) + mask) v, keeping the weights; stock's order of operations.
+
+    The ``(B, H, L, S)`` scores are the one large tensor here, and allocating it dominates on CPU,
+    so the mask and (when no graph is recorded) the softmax are applied in place.
+    """
+    q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+    scores = torch.matmul(q_scaled, k.transpose(-2, -1))  # (B, H, L, S)
+    if mask is not None:
+        scores.add_(mask)  # safe under autograd: matmul's backward does not read its output
+    if scores.requires_grad:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        weights = torch.softmax(scores, dim=-1, out=scores)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v), weights  # (B, H, L, D), (B, H, L, S)

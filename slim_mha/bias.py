@@ -1,0 +1,134 @@
+"""The bias arithmetic: every conversion between stock and slim biases lives here.
+
+Stock ``nn.MultiheadAttention`` packs ``in_proj_bias = [b_q; b_k; b_v]``. Why ``b_k`` can go:
+for a query ``q`` and key ``k_j = W_k x_j + b_k`` the score is ``q·W_k x_j + q·b_k``. The second
+term is the same for every key ``j`` of that query, and ``softmax(s + c) = softmax(s)``, so the
+attention weights, the output and every gradient other than ``b_k``'s are unchanged without it.
+
+Tokens appended *after* the projection do not carry ``b_k``, so for them the shift is not uniform:
+
+* ``add_bias_kv`` appends the key ``bias_k`` which stock scores as ``q·bias_k``. Subtracting the same
+  ``q·b_k`` from every score of the row (exact, by the argument above) gives ``q·(bias_k - b_k)`` for it,
+  so slim stores ``bias_k - b_k`` and drops ``b_k``.
+* ``add_zero_attn`` appends a key of zeros, whose score stays 0 while real keys score ``+q·b_k``. Any
+  exact reparametrisation needs an ``embed_dim`` vector again, so slim keeps ``b_k`` (as
+  ``k_proj_bias``) for those modules and computes exactly what stock computes. ``bias_k`` is then
+  stored unfolded.
+
+The value bias ``b_v`` reaches the output as ``W_o (Σ_j a_ij b_v) = W_o b_v`` because each attention row
+sums to 1, so it can be folded into ``out_proj.bias``. That holds only without dropout on the weights
+(dropout rescales rows) and only if every appended value token is shifted by ``-b_v`` too: the zero
+token of ``add_zero_attn`` cannot be, so that case is refused.
+
+Functions here take and return plain tensors so that the module's state-dict loading and the
+checkpoint migration share one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SlimBiases",
+    "fold_key_bias",
+    "unfold_key_bias",
+    "fold_value_bias",
+    "keeps_key_bias",
+]
+
+
+class SlimBiases(NamedTuple):
+    """The bias tensors of one slim attention module (``None`` where absent)."""
+
+    q_proj_bias: Tensor | None
+    v_proj_bias: Tensor | None
+    k_proj_bias: Tensor | None
+    bias_k: Tensor | None
+
+
+def keeps_key_bias(*, add_zero_attn: bool) -> bool:
+    """Whether a slim module must keep ``b_k``: only when a zero key is appended after projection."""
+    return add_zero_attn
+
+
+def fold_key_bias(
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None = None,
+    *,
+    add_zero_attn: bool = False,
+) -> SlimBiases:
+    """Turn stock biases into slim ones with the same function.
+
+    Args:
+        in_proj_bias: stock packed bias, shape ``(3E,)``, or ``None`` for ``bias=False``.
+        bias_k: stock appended key, shape ``(1, 1, E)``, or ``None`` without ``add_bias_kv``.
+        add_zero_attn: whether the module appends a zero key; then ``b_k`` is kept.
+
+    Returns:
+        ``SlimBiases``; ``bias_k`` is ``bias_k - b_k`` when ``b_k`` is dropped.
+    """
+    if in_proj_bias is None:
+        return SlimBiases(None, None, None, bias_k)
+    if in_proj_bias.dim() != 1 or in_proj_bias.shape[0] % 3 != 0:
+        raise ValueError(
+            f"in_proj_bias must have shape (3*embed_dim,), got {tuple(in_proj_bias.shape)}; "
+            "pass the stock packed [b_q; b_k; b_v] vector"
+        )
+    b_q, b_k, b_v = in_proj_bias.chunk(3)
+    if keeps_key_bias(add_zero_attn=add_zero_attn):
+        return SlimBiases(b_q.clone(), b_v.clone(), b_k.clone(), bias_k)
+    if bias_k is not None:
+        if bias_k.numel() != b_k.numel():
+            raise ValueError(
+                f"bias_k has {bias_k.numel()} elements but the key bias has {b_k.numel()}; "
+                "bias_k must have shape (1, 1, embed_dim)"
+            )
+        bias_k = bias_k - b_k.view_as(bias_k)
+    return SlimBiases(b_q.clone(), b_v.clone(), None, bias_k)
+
+
+def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | None, Tensor | None]:
+    """Turn slim biases back into stock ``(in_proj_bias, bias_k)`` with the same function.
+
+    A dropped key bias comes back as zeros, so ``bias_k`` is returned as stored: the stock module
+    with ``b_k = 0`` scores the appended key as ``q·bias_k``, as the slim one does.
+    """
+    q, v, k = biases.q_proj_bias, biases.v_proj_bias, biases.k_proj_bias
+    present = next((t for t in (q, v, k) if t is not None), None)
+    if present is None:
+        return None, biases.bias_k
+    zeros = present.new_zeros(embed_dim)
+    packed = torch.cat([t if t is not None else zeros for t in (q, k, v)])
+    return packed, biases.bias_k
+
+
+def fold_value_bias(
+    v_proj_bias: Tensor,
+    out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None,
+    bias_v: Tensor | None = None,
+    *,
+    add_zero_attn: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Fold ``b_v`` into the output bias; exact in eval only (see the module docstring).
+
+    Returns:
+        ``(out_proj_bias + W_o b_v, bias_v - b_v)``; the second is ``None`` without ``add_bias_kv``.
+    """
+    if add_zero_attn:
+        raise ValueError(
+            "fold_value_bias: add_zero_attn=True appends a zero value token that cannot absorb -b_v, "
+            "so folding the value bias would change the output; keep v_proj_bias for this module"
+        )
+    # Compute in the higher of fp32 and the stored dtype, then round once: folding must not add
+    # more error than one rounding of the result.
+    work = torch.promote_types(out_proj_weight.dtype, torch.float32)
+    shift = out_proj_weight.to(work) @ v_proj_bias.to(work)
+    base = out_proj_bias.to(work) if out_proj_bias is not None else torch.zeros_like(shift)
+    new_out_bias = (base + shift).to(out_proj_weight.dtype)
+    new_bias_v = None if bias_v is None else bias_v - v_proj_bias.view_as(bias_v)
+    return new_out_bias, new_bias_v
+
