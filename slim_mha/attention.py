@@ -190,9 +190,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # A stock checkpoint carries in_proj_bias; fold it into our layout before the usual loading.
         # Without input biases of our own, leave it for torch to report as unexpected.
         stock_key = prefix + _STOCK_BIAS
+        mismatched = False
         if stock_key in state_dict and self.q_proj_bias is not None:
             packed = state_dict.pop(stock_key)
-            if tuple(packed.shape) != (3 * self.embed_dim,):
+            mismatched = tuple(packed.shape) != (3 * self.embed_dim,)
+            if mismatched:
                 error_msgs.append(
                     f"size mismatch for {stock_key}: copying a param with shape {packed.shape} from "
                     f"checkpoint, the shape in current model is torch.Size([{3 * self.embed_dim}])."
@@ -208,6 +210,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if mismatched:  # the size mismatch already names the culprit; our split keys are not missing
+            split = {prefix + name for name in SlimBiases._fields}
+            missing_keys[:] = [key for key in missing_keys if key not in split]
 
     # ------------------------------------------------------------------------------------ forward
 

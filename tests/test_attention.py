@@ -1,0 +1,629 @@
+"""SlimMultiheadAttention against stock nn.MultiheadAttention built from the same weights.
+
+Every comparison runs both modules on the same inputs and compares the output, the attention
+weights, and the gradients with respect to the inputs and to every parameter slim keeps, with a
+tolerance chosen by dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from torch import nn
+
+from slim_mha import SlimMultiheadAttention
+
+E, H, KDIM, VDIM = 16, 4, 10, 12
+L_TGT, S_SRC, BATCH = 5, 6, 3
+
+# Relative to the largest magnitude of the reference tensor (see assert_close_scaled).
+TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 2e-2,
+    torch.float16: 1e-2,
+}
+
+ATTENTION_KINDS = ("self", "cross_shared_kv", "cross", "kdim_vdim")
+APPENDED = ("none", "bias_kv", "zero_attn", "both")
+MASKS = ("none", "bool", "float")
+ATTN_MASKS = ("none", "2d_bool", "2d_float", "3d_bool", "3d_float")
+WEIGHTS = ("none", "averaged", "per_head")
+MODES = ("train", "eval", "no_grad", "inference_mode")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch_first: bool = True
+    batched: bool = True
+    kind: str = "self"
+    bias: bool = True
+    appended: str = "none"
+    key_padding_mask: str = "none"
+    attn_mask: str = "none"
+    is_causal: bool = False
+    weights: str = "averaged"
+    mode: str = "train"
+    dtype: torch.dtype = torch.float64
+    seed: int = 0
+
+    def module_kwargs(self) -> dict:
+        kwargs = dict(
+            bias=self.bias,
+            add_bias_kv=self.appended in ("bias_kv", "both"),
+            add_zero_attn=self.appended in ("zero_attn", "both"),
+            batch_first=self.batch_first,
+        )
+        if self.kind == "kdim_vdim":
+            kwargs.update(kdim=KDIM, vdim=VDIM)
+        return kwargs
+
+
+def build_pair(case: Case) -> tuple[nn.MultiheadAttention, SlimMultiheadAttention]:
+    """Stock with every parameter random (so the key bias is non-zero), and slim loaded from it."""
+    torch.manual_seed(case.seed)
+    stock = nn.MultiheadAttention(E, H, **case.module_kwargs()).to(case.dtype)
+    with torch.no_grad():
+        for parameter in stock.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.5)
+    slim = SlimMultiheadAttention(E, H, **case.module_kwargs()).to(case.dtype)
+    slim.load_state_dict(stock.state_dict(), strict=True)
+    training = case.mode == "train"
+    return stock.train(training), slim.train(training)
+
+
+def make_inputs(case: Case) -> dict:
+    """Query/key/value in the module's layout, and masks that never mask a whole row."""
+    generator = torch.Generator().manual_seed(case.seed + 1)
+
+    def tokens(length: int, dim: int) -> torch.Tensor:
+        shape = (length, dim)
+        if case.batched:
+            shape = (BATCH, length, dim) if case.batch_first else (length, BATCH, dim)
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(case.dtype)
+
+    query = tokens(L_TGT, E)
+    if case.kind == "self":
+        key = value = query
+    elif case.kind == "cross_shared_kv":
+        key = value = tokens(S_SRC, E)
+    elif case.kind == "cross":
+        key, value = tokens(S_SRC, E), tokens(S_SRC, E)
+    else:
+        key, value = tokens(S_SRC, KDIM), tokens(S_SRC, VDIM)
+    src_len = L_TGT if case.kind == "self" else S_SRC
+
+    inputs = dict(query=query, key=key, value=value)
+    batch_shape = (BATCH,) if case.batched else ()
+    if case.key_padding_mask != "none":
+        # Key 0 is never padded, so no row is fully masked.
+        padded = torch.rand(*batch_shape, src_len, generator=generator) < 0.4
+        padded[..., 0] = False
+        inputs["key_padding_mask"] = _as_mask(padded, case.key_padding_mask, case.dtype, generator)
+    if case.is_causal:
+        # Top-left aligned, as SDPA's is_causal; boolean when the padding mask is, as stock asks.
+        future = torch.ones(L_TGT, src_len, dtype=torch.bool).triu(1)
+        as_float = torch.zeros(L_TGT, src_len, dtype=case.dtype).masked_fill(future, float("-inf"))
+        inputs["attn_mask"] = future if case.key_padding_mask == "bool" else as_float
+        inputs["is_causal"] = True
+    elif case.attn_mask != "none":
+        dims, kind = case.attn_mask.split("_")
+        leading = ((BATCH if case.batched else 1) * H,) if dims == "3d" else ()
+        blocked = torch.rand(*leading, L_TGT, src_len, generator=generator) < 0.3
+        blocked[..., 0] = False
+        inputs["attn_mask"] = _as_mask(blocked, kind, case.dtype, generator)
+    inputs["need_weights"] = case.weights != "none"
+    inputs["average_attn_weights"] = case.weights == "averaged"
+    return inputs
+
+
+def _as_mask(blocked: torch.Tensor, kind: str, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if kind == "bool":
+        return blocked
+    additive = torch.randn(blocked.shape, generator=generator, dtype=torch.float64).to(dtype) * 0.5
+    return additive.masked_fill(blocked, float("-inf"))
+
+
+def run(module: nn.MultiheadAttention, inputs: dict, case: Case, cotangent_seed: int) -> dict:
+    """Forward (and backward in grad-enabled modes); returns every tensor to compare."""
+    grad_mode = case.mode in ("train", "eval")
+    leaves = {}
+    call = dict(inputs)
+    if grad_mode:
+        # Fresh leaves per module, keeping the identity pattern (self-attention passes one tensor).
+        copies = {}
+        for name in ("query", "key", "value"):
+            tensor = inputs[name]
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.detach().clone().requires_grad_()
+            call[name] = leaves[name] = copies[id(tensor)]
+    context = {
+        "train": torch.enable_grad,
+        "eval": torch.enable_grad,
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+    }[case.mode]
+    with context():
+        output, weights = module(**call)
+    result = {"output": output.detach(), "weights": None if weights is None else weights.detach()}
+    if grad_mode:
+        generator = torch.Generator().manual_seed(cotangent_seed)
+        cotangent = torch.randn(output.shape, generator=generator, dtype=torch.float64).to(output.dtype)
+        grads = torch.autograd.grad(
+            (output * cotangent).sum(),
+            list(dict.fromkeys(leaves.values())) + [p for p in module.parameters()],
+            allow_unused=True,
+        )
+        unique_leaves = list(dict.fromkeys(leaves.values()))
+        for leaf, grad in zip(unique_leaves, grads):
+            result["grad_" + next(n for n, t in leaves.items() if t is leaf)] = grad
+        for (name, _), grad in zip(module.named_parameters(), grads[len(unique_leaves) :]):
+            result["grad_param_" + name] = grad
+    return result
+
+
+def stock_grads_in_slim_names(stock_result: dict, slim: SlimMultiheadAttention) -> dict:
+    """Map stock's parameter gradients onto slim's parameter names (in_proj_bias is split)."""
+    mapped = {k: v for k, v in stock_result.items() if not k.startswith("grad_param_in_proj_bias")}
+    packed = stock_result.get("grad_param_in_proj_bias")
+    if packed is not None:
+        g_q, g_k, g_v = packed.chunk(3)
+        mapped["grad_param_q_proj_bias"] = g_q
+        mapped["grad_param_v_proj_bias"] = g_v
+        if slim.k_proj_bias is not None:
+            mapped["grad_param_k_proj_bias"] = g_k
+    return mapped
+
+
+def assert_close_scaled(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, slack: float = 0.0
+) -> None:
+    """max|actual - expected| <= tol * max(1, max|expected|) + slack, with tol from the dtype table."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    finite = torch.isfinite(expected.double())
+    assert torch.equal(finite, torch.isfinite(actual.double())), f"{what}: non-finite entries differ"
+    scale = max(1.0, expected.double()[finite].abs().max().item() if finite.any() else 1.0)
+    error = _max_error(actual, expected)
+    bound = TOLERANCE[dtype] * scale + slack
+    assert error <= bound, f"{what}: max error {error:.3e} > {TOLERANCE[dtype]:.0e} * {scale:.3g} + {slack:.3g}"
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def compare_with_stock(case: Case) -> None:
+    """In fp64/fp32, slim must equal stock within the dtype tolerance.
+
+    In bf16/fp16 two correct implementations differ by their rounding, which for gradients summed
+    over a batch exceeds 1e-2 of the largest entry. There, both are measured against stock run in
+    float64 on the same (rounded) weights and inputs, and slim may be at most twice as far from it
+    as stock is, plus the dtype tolerance.
+    """
+    stock, slim = build_pair(case)
+    inputs = make_inputs(case)
+    expected = stock_grads_in_slim_names(run(stock, inputs, case, case.seed + 2), slim)
+    actual = run(slim, inputs, case, case.seed + 2)
+    assert set(actual) == set(expected), f"compared tensors differ: {set(actual) ^ set(expected)}"
+    reference = None
+    if case.dtype in LOW_PRECISION:
+        exact_case = replace(case, dtype=torch.float64)
+        exact_inputs = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+        for name in ("key", "value"):  # keep the self-attention identity after the cast
+            for other in ("query", "key"):
+                if inputs[name] is inputs[other]:
+                    exact_inputs[name] = exact_inputs[other]
+        reference = stock_grads_in_slim_names(run(stock.double(), exact_inputs, exact_case, case.seed + 2), slim)
+    for name in sorted(expected):
+        if expected[name] is None or actual[name] is None:
+            assert expected[name] is None and actual[name] is None, f"{name}: one side is None ({case})"
+        elif reference is None:
+            assert_close_scaled(actual[name], expected[name], case.dtype, f"{name} [{case}]")
+        else:
+            stock_error = _max_error(expected[name], reference[name])
+            assert_close_scaled(
+                actual[name], reference[name], case.dtype, f"{name} [{case}]", slack=2 * stock_error
+            )
+
+
+def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    finite = torch.isfinite(expected)
+    return (actual.double()[finite] - expected.double()[finite]).abs().max().item() if finite.any() else 0.0
+
+
+# ------------------------------------------------------------------------------ the matrix
+
+STRUCTURE = list(
+    itertools.product((True, False), (True, False), ATTENTION_KINDS, (True, False), APPENDED, WEIGHTS)
+)
+
+
+@pytest.mark.parametrize(
+    "batch_first,batched,kind,bias,appended,weights",
+    STRUCTURE,
+    ids=["-".join(map(str, combo)) for combo in STRUCTURE],
+)
+def test_structure_matches_stock(batch_first, batched, kind, bias, appended, weights):
+    """Layouts x attention kinds x biases x appended tokens x weights, with gradients, in float64."""
+    compare_with_stock(
+        Case(
+            batch_first=batch_first,
+            batched=batched,
+            kind=kind,
+            bias=bias,
+            appended=appended,
+            weights=weights,
+            key_padding_mask="float",
+            attn_mask="2d_float",
+        )
+    )
+
+
+MASKING = [
+    (kpm, attn_mask, appended, batched, weights)
+    for kpm, attn_mask, appended, batched, weights in itertools.product(
+        MASKS, ATTN_MASKS, APPENDED, (True, False), ("none", "per_head")
+    )
+    # stock warns (deprecated) when the two mask types differ; that mix gets its own test
+    if not (kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"))
+]
+
+
+@pytest.mark.parametrize("kpm,attn_mask,appended,batched,weights", MASKING)
+def test_masks_match_stock(kpm, attn_mask, appended, batched, weights):
+    compare_with_stock(
+        Case(
+            key_padding_mask=kpm,
+            attn_mask=attn_mask,
+            appended=appended,
+            batched=batched,
+            weights=weights,
+            kind="cross",
+            batch_first=False,
+        )
+    )
+
+
+def test_mixed_mask_types_warn_like_stock():
+    case = Case(key_padding_mask="bool", attn_mask="2d_float")
+    with pytest.warns(UserWarning, match="Support for mismatched key_padding_mask and attn_mask is deprecated"):
+        compare_with_stock(case)
+
+
+CAUSAL = list(itertools.product(("self", "cross"), MASKS, APPENDED, WEIGHTS, (True, False)))
+
+
+@pytest.mark.parametrize("kind,kpm,appended,weights,batched", CAUSAL)
+def test_is_causal_matches_stock(kind, kpm, appended, weights, batched):
+    """is_causal with its mask: SDPA's causal flag when stock uses it, the mask otherwise."""
+    compare_with_stock(
+        Case(kind=kind, key_padding_mask=kpm, appended=appended, weights=weights, batched=batched, is_causal=True)
+    )
+
+
+DTYPE_MODES = list(itertools.product((torch.float64, torch.float32, torch.bfloat16, torch.float16), MODES, WEIGHTS))
+
+
+@pytest.mark.parametrize("dtype,mode,weights", DTYPE_MODES, ids=[f"{d}-{m}-{w}" for d, m, w in DTYPE_MODES])
+@pytest.mark.parametrize("kind", ["self", "cross"])
+def test_dtypes_and_modes_match_stock(dtype, mode, weights, kind):
+    """Eval and no-grad modes let stock take its native fast path: slim must match that too."""
+    compare_with_stock(Case(dtype=dtype, mode=mode, weights=weights, kind=kind, key_padding_mask="bool"))
+
+
+def random_case(rng: random.Random) -> Case:
+    case = Case(
+        batch_first=rng.random() < 0.5,
+        batched=rng.random() < 0.8,
+        kind=rng.choice(ATTENTION_KINDS),
+        bias=rng.random() < 0.7,
+        appended=rng.choice(APPENDED),
+        key_padding_mask=rng.choice(MASKS),
+        attn_mask=rng.choice(ATTN_MASKS),
+        is_causal=rng.random() < 0.15,
+        weights=rng.choice(WEIGHTS),
+        mode=rng.choice(MODES),
+        dtype=rng.choice((torch.float64, torch.float32, torch.float32, torch.bfloat16, torch.float16)),
+        seed=rng.randrange(10_000),
+    )
+    mixed = (
+        case.key_padding_mask != "none"
+        and case.attn_mask != "none"
+        and (case.key_padding_mask == "bool") != case.attn_mask.endswith("bool")
+    )
+    if mixed or case.is_causal and case.kind not in ("self", "cross"):
+        case = replace(case, key_padding_mask="none", kind="self" if case.is_causal else case.kind)
+    return case
+
+
+SWEEP = [random_case(random.Random(seed)) for seed in range(300)]
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=[f"sweep{i}" for i in range(len(SWEEP))])
+def test_randomized_sweep_matches_stock(case):
+    compare_with_stock(case)
+
+
+def test_dropout_draws_match_stock_under_one_seed():
+    """With dropout, slim makes the same SDPA/dropout calls as stock, so one seed gives one result."""
+    for weights in ("none", "averaged"):
+        case = Case(weights=weights, kind="self")
+        stock, slim = build_pair(case)
+        stock.dropout = slim.dropout = 0.3
+        inputs = make_inputs(case)
+        torch.manual_seed(7)
+        expected = run(stock, inputs, case, 3)
+        torch.manual_seed(7)
+        actual = run(slim, inputs, case, 3)
+        assert_close_scaled(actual["output"], expected["output"], case.dtype, f"dropout output ({weights})")
+
+
+# ------------------------------------------------------------------------------ parameters and state dicts
+
+
+def stock_and_slim(seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    stock = nn.MultiheadAttention(E, H, **kwargs)
+    torch.manual_seed(seed)
+    slim = SlimMultiheadAttention(E, H, **kwargs)
+    return stock, slim
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"add_bias_kv": True}, {"kdim": KDIM, "vdim": VDIM}, {"dropout": 0.1}])
+def test_seeded_construction_draws_stock_weights(kwargs):
+    stock, slim = stock_and_slim(3, **kwargs)
+    slim_state = slim.state_dict()
+    for name, tensor in stock.state_dict().items():
+        if name == "in_proj_bias":
+            assert torch.equal(slim.in_proj_bias, tensor)
+        else:
+            assert torch.equal(slim_state[name], tensor), name
+    # ...and consumes the global RNG exactly as stock does, so later draws in a model match too.
+    torch.manual_seed(3)
+    nn.MultiheadAttention(E, H, **kwargs)
+    after_stock = torch.get_rng_state()
+    torch.manual_seed(3)
+    SlimMultiheadAttention(E, H, **kwargs)
+    assert torch.equal(torch.get_rng_state(), after_stock)
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected_saving",
+    [({}, E), ({"add_bias_kv": True}, E), ({"kdim": KDIM, "vdim": VDIM}, E), ({"bias": False}, 0), ({"add_zero_attn": True}, 0)],
+)
+def test_parameter_count(kwargs, expected_saving):
+    stock, slim = stock_and_slim(**kwargs)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(stock) - count(slim) == expected_saving
+
+
+def test_no_key_bias_gradient_or_optimizer_state():
+    _, slim = stock_and_slim()
+    names = {name for name, _ in slim.named_parameters()}
+    assert names == {"in_proj_weight", "q_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"}
+    optimizer = torch.optim.Adam(slim.parameters())
+    x = torch.randn(BATCH, L_TGT, E)
+    slim(x, x, x)[0].sum().backward()
+    optimizer.step()
+    state_numel = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim())
+    assert state_numel == 2 * sum(p.numel() for p in slim.parameters())
+
+
+SLIM_KEYS = {
+    "plain": ({}, {"in_proj_weight", "q_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"}),
+    "no_bias": ({"bias": False}, {"in_proj_weight", "out_proj.weight"}),
+    "bias_kv": (
+        {"add_bias_kv": True},
+        {"in_proj_weight", "q_proj_bias", "v_proj_bias", "bias_k", "bias_v", "out_proj.weight", "out_proj.bias"},
+    ),
+    "zero_attn": (
+        {"add_zero_attn": True},
+        {"in_proj_weight", "q_proj_bias", "k_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"},
+    ),
+    "kdim_vdim": (
+        {"kdim": KDIM, "vdim": VDIM},
+        {"q_proj_weight", "k_proj_weight", "v_proj_weight", "q_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SLIM_KEYS)
+def test_state_dict_layout_and_round_trips(name):
+    kwargs, keys = SLIM_KEYS[name]
+    stock, slim = stock_and_slim(**kwargs)
+    with torch.no_grad():
+        for parameter in stock.parameters():
+            parameter.normal_()
+    slim.load_state_dict(stock.state_dict(), strict=True)  # stock -> slim
+    assert set(slim.state_dict()) == keys
+    again = SlimMultiheadAttention(E, H, **kwargs)
+    again.load_state_dict(slim.state_dict(), strict=True)  # slim -> slim
+    for key, tensor in slim.state_dict().items():
+        assert torch.equal(again.state_dict()[key], tensor), key
+    # The stock view (in_proj_bias, bias_k) of a slim module describes a stock module with its function.
+    rebuilt = nn.MultiheadAttention(E, H, **kwargs)
+    rebuilt_state = {k: v for k, v in slim.state_dict().items() if k not in ("q_proj_bias", "v_proj_bias", "k_proj_bias")}
+    if slim.in_proj_bias is not None:
+        rebuilt_state["in_proj_bias"] = slim.in_proj_bias.detach()
+    rebuilt.load_state_dict(rebuilt_state, strict=True)
+    query = torch.randn(L_TGT, BATCH, E)
+    key = torch.randn(S_SRC, BATCH, kwargs.get("kdim", E))
+    value = torch.randn(S_SRC, BATCH, kwargs.get("vdim", E))
+    torch.testing.assert_close(rebuilt(query, key, value)[0], stock(query, key, value)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_loading_stock_folds_key_bias_into_bias_k():
+    stock, slim = stock_and_slim(add_bias_kv=True)
+    with torch.no_grad():
+        stock.in_proj_bias.normal_()
+    slim.load_state_dict(stock.state_dict())
+    b_k = stock.in_proj_bias[E : 2 * E].detach()
+    torch.testing.assert_close(slim.bias_k.detach(), stock.bias_k.detach() - b_k.view(1, 1, E), rtol=0, atol=0)
+    assert torch.equal(slim.q_proj_bias.detach(), stock.in_proj_bias[:E].detach())
+
+
+def test_loading_does_not_modify_the_callers_state_dict():
+    stock, slim = stock_and_slim(add_bias_kv=True)
+    state = stock.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+    slim.load_state_dict(state)
+    assert set(state) == set(before)
+    assert all(torch.equal(state[k], before[k]) for k in before)
+
+
+def test_state_dict_errors_use_torch_wording():
+    _, slim = stock_and_slim()
+    stock_state = nn.MultiheadAttention(E, H).state_dict()
+    bad = dict(stock_state, in_proj_bias=torch.zeros(2 * E))
+    with pytest.raises(RuntimeError, match=r"(?s)Error\(s\) in loading state_dict.*size mismatch for in_proj_bias: copying a param with shape torch.Size\(\[32\]\)"):
+        slim.load_state_dict(bad)
+    missing = {k: v for k, v in slim.state_dict().items() if k != "v_proj_bias"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "v_proj_bias"'):
+        slim.load_state_dict(missing)
+    no_bias = SlimMultiheadAttention(E, H, bias=False)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: .*"in_proj_bias"'):
+        no_bias.load_state_dict(stock_state)
+
+
+def test_nested_module_state_dicts_convert_with_prefixes():
+    stock_model = nn.Sequential(nn.Linear(E, E), nn.ModuleDict({"attn": nn.MultiheadAttention(E, H, add_bias_kv=True)}))
+    slim_model = nn.Sequential(nn.Linear(E, E), nn.ModuleDict({"attn": SlimMultiheadAttention(E, H, add_bias_kv=True)}))
+    slim_model.load_state_dict(stock_model.state_dict(), strict=True)
+    assert "1.attn.q_proj_bias" in slim_model.state_dict()
+
+
+# ------------------------------------------------------------------------------ in_proj_bias compatibility
+
+
+def test_in_proj_bias_reads_as_stock_layout():
+    stock, slim = stock_and_slim()
+    with torch.no_grad():
+        stock.in_proj_bias.normal_()
+    slim.load_state_dict(stock.state_dict())
+    packed = slim.in_proj_bias
+    assert packed.shape == (3 * E,)
+    assert torch.equal(packed[:E], stock.in_proj_bias[:E].detach())
+    assert torch.equal(packed[E : 2 * E], torch.zeros(E))
+    assert torch.equal(packed[2 * E :], stock.in_proj_bias[2 * E :].detach())
+    assert SlimMultiheadAttention(E, H, bias=False).in_proj_bias is None
+
+
+def test_in_proj_bias_keeps_key_slice_with_zero_attn():
+    stock, slim = stock_and_slim(add_zero_attn=True)
+    with torch.no_grad():
+        stock.in_proj_bias.normal_()
+    slim.load_state_dict(stock.state_dict())
+    assert torch.equal(slim.in_proj_bias.detach(), stock.in_proj_bias.detach())
+
+
+def test_assigning_in_proj_bias_strips_or_folds_the_key_slice():
+    stock, slim = stock_and_slim(add_bias_kv=True)
+    new_bias = torch.randn(3 * E)
+    with torch.no_grad():
+        stock.in_proj_bias = nn.Parameter(new_bias.clone())
+    slim.in_proj_bias = nn.Parameter(new_bias.clone())
+    assert isinstance(slim.q_proj_bias, nn.Parameter) and "in_proj_bias" not in dict(slim.named_parameters())
+    assert torch.equal(slim.q_proj_bias.detach(), new_bias[:E])
+    assert torch.equal(slim.in_proj_bias[E : 2 * E].detach(), torch.zeros(E))
+    x = torch.randn(L_TGT, BATCH, E)
+    torch.testing.assert_close(slim(x, x, x)[0], stock(x, x, x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_assigning_in_proj_bias_rejects_bad_values():
+    _, slim = stock_and_slim()
+    with pytest.raises(ValueError, match=r"in_proj_bias must have shape \(48,\) = 3\*embed_dim, got \(32,\)"):
+        slim.in_proj_bias = nn.Parameter(torch.zeros(2 * E))
+    with pytest.raises(TypeError, match="cannot assign 'torch.FloatTensor' as parameter 'in_proj_bias'"):
+        slim.in_proj_bias = torch.zeros(3 * E)
+    slim.in_proj_bias = None
+    assert slim.in_proj_bias is None and slim.q_proj_bias is None and slim.v_proj_bias is None
+    x = torch.randn(L_TGT, BATCH, E)
+    assert slim(x, x, x)[0].shape == x.shape
+
+
+def test_transformer_encoder_layer_fast_path_reads_slim_bias():
+    """torch's encoder layer fast path calls a native kernel with self_attn.in_proj_bias directly."""
+    torch.manual_seed(0)
+    stock_layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    with torch.no_grad():
+        stock_layer.self_attn.in_proj_bias.normal_()
+    slim_layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+    slim_layer.self_attn = SlimMultiheadAttention(E, H, batch_first=True)
+    slim_layer.load_state_dict(stock_layer.state_dict(), strict=True)
+    x = torch.randn(BATCH, L_TGT, E)
+    with torch.inference_mode():
+        torch.testing.assert_close(slim_layer(x), stock_layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_nested_tensor_input_takes_stocks_native_path():
+    stock, slim = stock_and_slim(batch_first=True)
+    with torch.no_grad():
+        stock.in_proj_bias.normal_()
+    slim.load_state_dict(stock.state_dict())
+    stock.eval(), slim.eval()
+    nested = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)])
+    with torch.inference_mode():
+        expected = stock(nested, nested, nested, need_weights=False)[0]
+        actual = slim(nested, nested, nested, need_weights=False)[0]
+    for a, b in zip(actual.unbind(), expected.unbind()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def bad_calls():
+    x = torch.randn(BATCH, L_TGT, E)
+    y = torch.randn(BATCH, S_SRC, E)
+    return {
+        "query_4d": lambda m: m(x[None], x[None], x[None]),
+        "key_2d": lambda m: m(x, y[0], y),
+        "embed_dim": lambda m: m(x[..., :8], x[..., :8], x[..., :8]),
+        "key_value_shape": lambda m: m(x, y, y[:, :4]),
+        "padding_mask_shape": lambda m: m(x, y, y, key_padding_mask=torch.zeros(BATCH, S_SRC + 1, dtype=torch.bool)),
+        "padding_mask_dims": lambda m: m(x, y, y, key_padding_mask=torch.zeros(S_SRC, dtype=torch.bool)),
+        "attn_mask_2d_shape": lambda m: m(x, y, y, attn_mask=torch.zeros(L_TGT, S_SRC + 1)),
+        "attn_mask_3d_shape": lambda m: m(x, y, y, attn_mask=torch.zeros(BATCH, L_TGT, S_SRC)),
+        "attn_mask_4d": lambda m: m(x, y, y, attn_mask=torch.zeros(1, BATCH * H, L_TGT, S_SRC)),
+        "integer_mask": lambda m: m(x, y, y, attn_mask=torch.zeros(L_TGT, S_SRC, dtype=torch.int64)),
+        "causal_without_mask": lambda m: m(x, x, x, is_causal=True),
+        "dtype": lambda m: m(x.double(), y.double(), y.double()),
+    }
+
+
+@pytest.mark.parametrize("name", list(bad_calls()))
+@pytest.mark.parametrize("training", [True, False])
+def test_bad_input_raises_like_stock(name, training):
+    stock, slim = stock_and_slim(batch_first=True)
+    stock.train(training), slim.train(training)
+    call = bad_calls()[name]
+    with pytest.raises(Exception) as stock_error:
+        call(stock)
+    with pytest.raises(type(stock_error.value)):
+        call(slim)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"embed_dim": 0, "num_heads": 2}, ValueError, "embed_dim and num_heads must be greater than 0"),
+        ({"embed_dim": 16, "num_heads": -1}, ValueError, "embed_dim and num_heads must be greater than 0"),
+        ({"embed_dim": 10, "num_heads": 4}, AssertionError, "embed_dim must be divisible by num_heads"),
+    ],
+)
+def test_constructor_errors_match_stock(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        nn.MultiheadAttention(**kwargs)
+    with pytest.raises(error, match=message):
+        SlimMultiheadAttention(**kwargs)
+
+
+def test_is_a_stock_subclass_and_keeps_stock_attributes():
+    _, slim = stock_and_slim(kdim=KDIM, vdim=VDIM, batch_first=True)
+    assert isinstance(slim, nn.MultiheadAttention)
+    assert (slim.embed_dim, slim.kdim, slim.vdim, slim.num_heads, slim.head_dim) == (E, KDIM, VDIM, H, E // H)
+    assert slim._qkv_same_embed_dim is False and slim.batch_first is True and slim.in_proj_weight is None
+    assert "embed_dim=16, num_heads=4, batch_first=True" in repr(slim)
