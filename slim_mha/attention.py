@@ -12,6 +12,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
 from .bias import SlimBiases, fold_key_bias, keeps_key_bias, unfold_key_bias
+from .equivariance import _mode as _equivariance
 
 __all__ = ["SlimMultiheadAttention"]
 
@@ -32,6 +33,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     * **Lean path.** One fused input projection; heads are split as views in the caller's layout;
       ``scaled_dot_product_attention`` whenever weights are not requested; no ``batch_first``
       transposes and no packed-projection copies.
+
+    New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
+    and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
+    turn on the per-call permutation-equivariance assertion of :mod:`slim_mha.equivariance`.
 
     State-dict layout (a stable format, version 1), per module prefix:
 
@@ -66,6 +71,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     """
 
     _version = 1  # of the state-dict layout above; stock checkpoints carry no version of ours
+    # Class-level defaults so that modules pickled before these options existed still run.
+    check_equivariance: bool | None = None
+    check_equivariance_every: int = 1
 
     def __init__(
         self,
@@ -80,6 +88,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         batch_first: bool = False,
         device=None,
         dtype=None,
+        *,
+        check_equivariance: bool | None = None,
+        check_equivariance_every: int = 1,
     ) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
@@ -89,6 +100,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Stock's __init__ registers a packed in_proj_bias that we replace by a computed view, so it
         # is re-done here, allocating and initialising in stock's order so seeded weights match.
         nn.Module.__init__(self)
+        # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
+        # slim_mha.checking_equivariance() (see slim_mha.equivariance).
+        self.check_equivariance, self.check_equivariance_every = _equivariance.resolve_options(
+            check_equivariance, check_equivariance_every
+        )
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -233,9 +249,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
-        return self._attend(
+        result = self._attend(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
+        if self.check_equivariance or _equivariance.SWITCH.active:  # mode off: these two reads only
+            _equivariance.check_call(
+                self, result, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                is_causal,
+            )
+        return result
 
     def _attend(
         self,

@@ -1,0 +1,240 @@
+"""The numbers behind every check: the tolerance table, one tensor's error, the permutations, the error type.
+
+An error is always measured against what the output *should* be (the reference output permuted,
+or left alone) and reported relative to the reference's largest finite magnitude, so that one
+relative tolerance per dtype serves outputs of any scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "TOLERANCE",
+    "EquivarianceError",
+    "TensorError",
+    "tolerance_for",
+    "measure_error",
+    "draw_permutation",
+    "permute",
+    "format_indices",
+]
+
+# Largest error allowed, relative to max |expected output|. Permuting tokens reorders the sums over
+# keys and moves rows across kernel tiles, so a correct call differs from the permuted reference by
+# a few rounding errors, amplified by large attention logits. Measured on correct slim attention
+# calls (random shapes, masks, appended tokens, logits up to ~1e3): at most 5e-14 (float64),
+# 8e-6 (float32), 1.1e-2 (bfloat16), 1.3e-3 (float16). Each entry keeps about 8x headroom or more
+# over that, and stays far below what a real break produces (errors of order 1).
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-4,
+    torch.bfloat16: 8e-2,
+    torch.float16: 1e-2,
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The relative tolerance for ``dtype``: the table's entry, exact for integers and booleans."""
+    if dtype in TOLERANCE:
+        return TOLERANCE[dtype]
+    if dtype.is_complex:
+        return tolerance_for(torch.empty((), dtype=dtype).real.dtype)
+    if not dtype.is_floating_point:
+        return 0.0
+    # Narrower floats (float8) than the table covers: scale bfloat16's entry by the precision lost.
+    return TOLERANCE[torch.bfloat16] * max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.bfloat16).eps)
+
+
+def _less_precise(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+    if not (first.is_floating_point and second.is_floating_point):
+        return first
+    return first if torch.finfo(first).eps >= torch.finfo(second).eps else second
+
+
+@dataclass(frozen=True)
+class TensorError:
+    """How far one tensor is from what it should be.
+
+    Attributes:
+        name: which tensor (``"output"``, ``"output[1]"``, ``"weights"``).
+        shape: its shape.
+        dtype: the dtype its tolerance is taken from (the lower precision of the tensor's dtype and
+            an active autocast dtype).
+        dims: the axes the expected tensor was permuted along; ``()`` means "expected unchanged".
+        max_abs: the largest absolute error (``inf`` where NaN/inf patterns or shapes differ).
+        scale: the largest finite magnitude of the expected tensor.
+        where: the index of the largest error, or ``None`` when there is none to point at.
+        note: why the error is infinite, when it is.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    dims: tuple[int, ...]
+    max_abs: float
+    scale: float
+    where: tuple[int, ...] | None = None
+    note: str = ""
+
+    @property
+    def max_rel(self) -> float:
+        """``max_abs / scale`` (0 when both are 0)."""
+        if self.max_abs == 0.0:
+            return 0.0
+        return self.max_abs / self.scale if self.scale > 0.0 else float("inf")
+
+    def tolerance(self, relative: float | None = None) -> float:
+        """The absolute tolerance: ``relative`` (default: the dtype table's entry) times ``scale``."""
+        relative = tolerance_for(self.dtype) if relative is None else relative
+        return relative * self.scale
+
+    def passed(self, relative: float | None = None) -> bool:
+        return self.max_abs <= self.tolerance(relative)
+
+    def describe(self, relative: float | None = None) -> str:
+        """One line: the largest error, where it is, the tolerance and where that comes from.
+
+        ``max abs error 3.1e-01 at [0, 4, 2] > tolerance 4.2e-05 (float32: 1e-04 x max|expected| 0.42),
+        max rel error 7.4e-01``
+        """
+        relative_used = tolerance_for(self.dtype) if relative is None else relative
+        source = f"{_dtype_name(self.dtype)}: " if relative is None else ""
+        verdict = "<=" if self.passed(relative) else ">"
+        where = f" at {format_indices(self.where)}" if self.where is not None and self.max_abs > 0 else ""
+        note = f" ({self.note})" if self.note else ""
+        return (
+            f"max abs error {self.max_abs:.2e}{where}{note} {verdict} tolerance {self.tolerance(relative):.2e} "
+            f"({source}{relative_used:.0e} x max|expected| {self.scale:.3g}), max rel error {self.max_rel:.2e}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def measure_error(
+    name: str, actual: Tensor, expected: Tensor, dims: tuple[int, ...], dtype: torch.dtype | None = None
+) -> TensorError:
+    """Compare ``actual`` with ``expected`` elementwise; NaN matches NaN and inf matches the same inf.
+
+    ``dtype`` overrides the dtype the tolerance is read for (default: the lower precision of the two
+    tensors'). Runs without recording a graph, in a handful of kernels and one host sync (two when
+    a NaN or inf shows up), since the assertion mode calls it on every checked attention call.
+    """
+    dtype = dtype or _less_precise(actual.dtype, expected.dtype)
+    shape = tuple(expected.shape)
+    with torch.no_grad():
+        if actual.shape != expected.shape:
+            note = f"shape {tuple(actual.shape)} instead of {shape}"
+            return TensorError(name, shape, dtype, dims, float("inf"), _scale(expected), None, note)
+        if expected.numel() == 0:
+            return TensorError(name, shape, dtype, dims, 0.0, 0.0)
+        compute = torch.promote_types(torch.promote_types(actual.dtype, expected.dtype), torch.float32)
+        a, e = actual.to(compute), expected.to(compute)
+        difference = (a - e).abs_()
+        if compute.is_complex:
+            difference = difference.real
+        if not bool(torch.isfinite(difference).all()):  # rare: decide NaN/inf entries elementwise
+            same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+            difference = difference.masked_fill_(same, 0.0).nan_to_num_(nan=float("inf"))
+        max_abs, flat_index = difference.reshape(-1).max(dim=0)
+        magnitude = e.abs()
+        magnitude = (magnitude.real if compute.is_complex else magnitude).nan_to_num_(nan=0.0, posinf=0.0)
+        # One host sync for all three numbers (float64 holds any index below 2**53 exactly).
+        max_abs, index, scale = torch.stack([max_abs.double(), flat_index.double(), magnitude.max().double()]).tolist()
+        note = "NaN or inf on one side only" if max_abs == float("inf") else ""
+        return TensorError(name, shape, dtype, dims, max_abs, scale, _unravel(int(index), shape), note)
+
+
+def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat_index, position = divmod(flat_index, size)
+        index.append(position)
+    return tuple(reversed(index))
+
+
+def _scale(tensor: Tensor) -> float:
+    if tensor.numel() == 0:
+        return 0.0
+    magnitude = tensor.abs() if tensor.is_floating_point() or tensor.is_complex() else tensor.double().abs()
+    if magnitude.is_complex():
+        magnitude = magnitude.real
+    return float(magnitude.nan_to_num(nan=0.0, posinf=0.0).max())
+
+
+def draw_permutation(length: int, seed: int) -> Tensor:
+    """``torch.randperm(length)`` from a generator seeded with ``seed``; the identity is rolled by one.
+
+    A private generator: the global RNG is neither read nor advanced. Returns a CPU int64 tensor.
+    """
+    permutation = torch.randperm(length, generator=torch.Generator().manual_seed(seed))
+    if length > 1 and bool((permutation == torch.arange(length)).all()):
+        permutation = permutation.roll(1)
+    return permutation
+
+
+def permute(tensor: Tensor, dims: tuple[int, ...], permutation: Tensor) -> Tensor:
+    """``tensor`` with ``permutation`` applied along each axis in ``dims``: ``out[i] = tensor[permutation[i]]``."""
+    index = permutation.to(tensor.device)
+    for dim in dims:
+        tensor = tensor.index_select(dim, index)
+    return tensor
+
+
+def format_indices(values, limit: int = 24) -> str:
+    """``[3, 0, 2, 1]``, elided in the middle when longer than ``limit``."""
+    values = [int(v) for v in (values.tolist() if isinstance(values, Tensor) else values)]
+    if len(values) <= limit:
+        return "[" + ", ".join(map(str, values)) + "]"
+    half = limit // 2
+    head, tail = ", ".join(map(str, values[:half])), ", ".join(map(str, values[-half:]))
+    return f"[{head}, ... ({len(values) - 2 * half} more) ..., {tail}]"
+
+
+class EquivarianceError(AssertionError):
+    """A permutation check failed: the message names what broke, by how much, and how to reproduce it.
+
+    Attributes:
+        errors: the :class:`TensorError` of every tensor that broke.
+        module_name: the qualified name of the module that broke, when known.
+        seed: the seed the permutation(s) were drawn from, when drawn.
+        permutations: the permutations used, by role (``"query"``, ``"key/value"``, ``"inputs"``).
+        result: for the function checker, the full :class:`PermutationErrors`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errors: tuple[TensorError, ...] = (),
+        module_name: str | None = None,
+        seed: int | None = None,
+        permutations: dict[str, Tensor] | None = None,
+        result=None,
+    ) -> None:
+        super().__init__(message)
+        self.errors = tuple(errors)
+        self.module_name = module_name
+        self.seed = seed
+        self.permutations = dict(permutations or {})
+        self.result = result
+
+    def __reduce__(self):
+        # Keyword-only fields survive pickling (multiprocessing, distributed workers).
+        state = dict(
+            errors=self.errors,
+            module_name=self.module_name,
+            seed=self.seed,
+            permutations=self.permutations,
+            result=self.result,
+        )
+        return (_rebuild_error, (type(self), self.args[0] if self.args else "", state))
+
+
+def _rebuild_error(cls, message: str, state: dict) -> EquivarianceError:
+    return cls(message, **state)

@@ -1,0 +1,396 @@
+"""The assertion mode: slim attention calls check their own permutation equivariance as they run.
+
+Switched on per module (``check_equivariance=True``, or the attribute of that name), for every slim
+module called inside ``with checking_equivariance():``, or for the whole process with the
+environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE``. ``check_equivariance=False`` opts a module out
+of the last two (for a causal decoder, say).
+
+A checked call, after computing its result, draws a query permutation ``P`` and a key/value
+permutation ``Q`` and recomputes attention once on ``P query``, ``Q key``, ``Q value`` with
+``key_padding_mask`` permuted by ``Q`` and ``attn_mask`` by ``P`` on its rows and ``Q`` on its columns.
+Attention must return ``P output`` and weights ``P W Qᵀ`` (appended ``add_bias_kv``/``add_zero_attn``
+columns stay last). One recomputation tests both properties: equivariance in the queries and
+invariance in the keys and values; only when it fails are they run apart, to say which broke.
+
+No side effects: the recomputation runs under ``no_grad`` on detached inputs, with the module's
+dropout off (a dropout-free reference is recomputed when the call used dropout; the returned tensors
+are never touched), and the permutations come from private generators, so the global RNG is neither
+read nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module,
+the check is skipped, so graphs stay free of it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import Tensor, nn
+
+from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
+
+__all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "resolve_options", "naming"]
+
+ENVIRONMENT_VARIABLE = "SLIM_MHA_CHECK_EQUIVARIANCE"
+
+
+@dataclass(frozen=True)
+class _Scope:
+    every: int
+
+
+class _Switch:
+    """Read by every slim ``forward``: is checking on anywhere in the process (a scope or the env var)?
+
+    A hint only, so that ``forward`` pays one attribute read when the mode is off; the check itself
+    then asks its own context (scopes are per thread and per async task).
+    """
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+SWITCH = _Switch()
+_LOCK = threading.Lock()
+_open_scopes = 0  # in all threads; guarded by _LOCK
+_SCOPE: ContextVar[_Scope | None] = ContextVar("slim_mha_equivariance_scope", default=None)
+_MODELS: ContextVar[tuple[nn.Module, ...]] = ContextVar("slim_mha_equivariance_models", default=())
+_CALLS: WeakKeyDictionary[nn.Module, int] = WeakKeyDictionary()  # calls seen while on, per module
+_SEEDS = torch.Generator().manual_seed(0x5EED)  # private: seeds of the checks' permutations
+
+
+def _read_environment(value: str | None) -> _Scope | None:
+    """``1``/``true``: every call; ``N``: every N-th call of each module; unset/``0``/``false``: off."""
+    text = (value or "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return None
+    if text in ("true", "yes", "on"):
+        return _Scope(every=1)
+    if text.isdigit():
+        return _Scope(every=int(text))
+    raise ValueError(
+        f"{ENVIRONMENT_VARIABLE}={value!r} is not understood: use 1 to check every attention call, "
+        f"N > 1 to check every N-th call of each module, or 0 to turn checking off"
+    )
+
+
+def _configure_environment(value: str | None) -> None:
+    """Apply an environment value (done once at import; tests call it to simulate the variable)."""
+    global _environment_scope
+    _environment_scope = _read_environment(value)
+    with _LOCK:
+        SWITCH.active = _open_scopes > 0 or _environment_scope is not None
+
+
+_environment_scope: _Scope | None = None
+_configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
+
+
+def resolve_options(check_equivariance: bool | None, every: int) -> tuple[bool | None, int]:
+    """Validate the constructor's options; returns them unchanged."""
+    if check_equivariance not in (None, True, False) or not isinstance(check_equivariance, (bool, type(None))):
+        raise ValueError(
+            f"check_equivariance must be True, False or None (None: follow {ENVIRONMENT_VARIABLE} and "
+            f"slim_mha.checking_equivariance()), got {check_equivariance!r}"
+        )
+    return check_equivariance, _check_every(every, "check_equivariance_every")
+
+
+def _check_every(every, name: str) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{name} must be an int >= 1 (1 checks every call, N every N-th call), got {every!r}")
+    return every
+
+
+@contextmanager
+def checking_equivariance(model: nn.Module | None = None, *, every: int = 1) -> Iterator[None]:
+    """Check the equivariance of every slim attention call made inside the block (this thread/task).
+
+    Args:
+        model: optional; errors then name the failing module by its qualified name in ``model``
+            (looked up only when a check fails).
+        every: check the first call of each module, then every ``every``-th one.
+
+    Modules built with ``check_equivariance=False`` are left out; modules with ``True`` keep their
+    own ``check_equivariance_every``. Scopes nest (the innermost ``every`` applies) and are local to
+    the thread or async task that opened them: threads started inside do not inherit them.
+
+    Example::
+
+        with slim_mha.checking_equivariance(model, every=10):
+            loss = model(batch).loss
+    """
+    every = _check_every(every, "every")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
+    global _open_scopes
+    scope_token = _SCOPE.set(_Scope(every=every))
+    models_token = _MODELS.set(_MODELS.get() + ((model,) if model is not None else ()))
+    with _LOCK:
+        _open_scopes += 1
+        SWITCH.active = True
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _open_scopes -= 1
+            SWITCH.active = _open_scopes > 0 or _environment_scope is not None
+        _MODELS.reset(models_token)
+        _SCOPE.reset(scope_token)
+
+
+@contextmanager
+def naming(model: nn.Module | None) -> Iterator[None]:
+    """Name modules of ``model`` in errors raised inside the block, without switching checks on."""
+    if model is None:
+        yield
+        return
+    token = _MODELS.set(_MODELS.get() + (model,))
+    try:
+        yield
+    finally:
+        _MODELS.reset(token)
+
+
+# --------------------------------------------------------------------------------- the check
+
+
+def check_call(
+    module: nn.Module,
+    result: tuple[Tensor, Tensor | None],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    need_weights: bool,
+    attn_mask: Tensor | None,
+    average_attn_weights: bool,
+    is_causal: bool,
+) -> None:
+    """Called by ``SlimMultiheadAttention.forward`` when checking may be on; checks this call if due.
+
+    Raises:
+        EquivarianceError: if the call broke equivariance, or used ``is_causal=True``.
+    """
+    __tracebackhide__ = True
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # keep graphs free of the check
+        return
+    every = _sampling_period(module)
+    if every is None:
+        return
+    if is_causal:
+        raise EquivarianceError(
+            f"{_label(module)} was called with is_causal=True, which is order-dependent by construction "
+            "(query i attends only to keys j <= i), so it is not permutation-equivariant and there is "
+            "nothing to check. Build the module with check_equivariance=False (or set the attribute) to "
+            "exempt it, or pass an explicit attn_mask: the check permutes a mask with its tokens.",
+            module_name=_qualified_name(module),
+        )
+    count = _CALLS.get(module, 0)
+    _CALLS[module] = count + 1
+    if count % every or query.is_nested or key.is_nested or value.is_nested:
+        return
+    check = _AttentionCheck(module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights)
+    check.run(result)
+
+
+def _sampling_period(module: nn.Module) -> int | None:
+    flag = module.check_equivariance
+    if flag is False:
+        return None
+    if flag:
+        return _check_every(module.check_equivariance_every, "check_equivariance_every")
+    scope = _SCOPE.get() or _environment_scope
+    return None if scope is None else scope.every
+
+
+class _AttentionCheck:
+    """One checked call: its detached inputs, the permutations, and the recomputations."""
+
+    def __init__(self, module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights):
+        self.module = module
+        self.query, self.key, self.value, self.key_padding_mask, self.attn_mask = _detach_alike(
+            query, key, value, key_padding_mask, attn_mask
+        )
+        self.need_weights = need_weights
+        self.average_attn_weights = average_attn_weights
+        self.batched = query.dim() == 3
+        self.axis = 1 if self.batched and module.batch_first else 0  # token axis of query, key, value, output
+        self.used_dropout = module.training and module.dropout > 0.0
+        self.seed = _next_seed()
+        self.query_permutation = draw_permutation(query.shape[self.axis], self.seed)
+        self.key_permutation = draw_permutation(key.shape[self.axis], self.seed + 1)
+
+    def run(self, result: tuple[Tensor, Tensor | None]) -> None:
+        __tracebackhide__ = True
+        with torch.no_grad(), _without_dropout(self.module):
+            if self.used_dropout:  # the returned tensors carry dropout noise: recompute without it
+                reference = self._attend(permute_queries=False, permute_keys=False)
+            else:
+                reference = tuple(None if t is None else t.detach() for t in result)
+            errors = self._compare(reference, permute_queries=True, permute_keys=True)
+            if all(error.passed() for error in errors):
+                return
+            diagnosis = [
+                (role, self._compare(reference, permute_queries=role == "queries", permute_keys=role == "keys"))
+                for role in ("queries", "keys")
+            ]
+        raise self._error(errors, diagnosis)
+
+    def _attend(self, permute_queries: bool, permute_keys: bool) -> tuple[Tensor, Tensor | None]:
+        query, key, value = self.query, self.key, self.value
+        key_padding_mask, attn_mask = self.key_padding_mask, self.attn_mask
+        if permute_queries:
+            query = permute(query, (self.axis,), self.query_permutation)
+            if attn_mask is not None:
+                attn_mask = permute(attn_mask, (-2,), self.query_permutation)  # (L, S) or (B*H, L, S)
+        if permute_keys:
+            shared_value = value is key
+            key = permute(key, (self.axis,), self.key_permutation)
+            value = key if shared_value else permute(value, (self.axis,), self.key_permutation)
+            if key_padding_mask is not None:
+                key_padding_mask = permute(key_padding_mask, (-1,), self.key_permutation)  # (B, S) or (S,)
+            if attn_mask is not None:
+                attn_mask = permute(attn_mask, (-1,), self.key_permutation)
+        return self.module._attend(
+            query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
+        )
+
+    def _compare(self, reference, permute_queries: bool, permute_keys: bool) -> list[TensorError]:
+        output, weights = self._attend(permute_queries, permute_keys)
+        reference_output, reference_weights = reference
+        rows = self.query_permutation if permute_queries else None
+        dtype = _tolerance_dtype(reference_output)
+        expected = reference_output if rows is None else permute(reference_output, (self.axis,), rows)
+        errors = [measure_error("output", output, expected, (self.axis,) if rows is not None else (), dtype)]
+        if reference_weights is not None and weights is not None:
+            expected = reference_weights if rows is None else permute(reference_weights, (-2,), rows)
+            if permute_keys:  # appended key columns (add_bias_kv, add_zero_attn) stay where they are
+                source = self.key.shape[self.axis]
+                appended = torch.arange(source, reference_weights.shape[-1])
+                expected = permute(expected, (-1,), torch.cat([self.key_permutation, appended]))
+            dims = ((-2,) if rows is not None else ()) + ((-1,) if permute_keys else ())
+            errors.append(measure_error("weights", weights, expected, dims, dtype))
+        return errors
+
+    def _error(self, errors: list[TensorError], diagnosis) -> EquivarianceError:
+        lines = [f"{_label(self.module)} is not permutation-equivariant on this call "
+                 f"(recomputed under no_grad{' with dropout off' if self.used_dropout else ''}):"]
+        failed: list[TensorError] = []
+        sentences = {
+            ("queries", "output"): "permuting the queries does not permute the output rows",
+            ("queries", "weights"): "permuting the queries does not permute the weight rows",
+            ("keys", "output"): "permuting the keys and values together changes the output",
+            ("keys", "weights"): "permuting the keys and values together does more than permute the weight columns",
+        }
+        for role, role_errors in diagnosis:
+            for error in role_errors:
+                if not error.passed():
+                    lines.append(f"  {error.name}: {sentences[role, error.name]}: {error.describe()}")
+                    failed.append(error)
+        if not failed:  # only the two permutations together break it
+            for error in errors:
+                if not error.passed():
+                    lines.append(f"  {error.name}: permuting queries and keys/values together: {error.describe()}")
+                    failed.append(error)
+        lines.append("  call: " + self._describe_call())
+        lines.append(
+            f"  reproduce: seed {self.seed} drew query permutation {format_indices(self.query_permutation)} and "
+            f"key/value permutation {format_indices(self.key_permutation)} "
+            f"(slim_mha.equivariance.draw_permutation(n, {self.seed}) and (n, {self.seed + 1}))"
+        )
+        return EquivarianceError(
+            "\n".join(lines),
+            errors=tuple(failed),
+            module_name=_qualified_name(self.module),
+            seed=self.seed,
+            permutations={"query": self.query_permutation, "key/value": self.key_permutation},
+        )
+
+    def _describe_call(self) -> str:
+        layout = f"batch_first={self.module.batch_first}" if self.batched else "unbatched"
+        parts = [
+            f"query {_shape(self.query)}, key {_shape(self.key)}, value {_shape(self.value)}, "
+            f"tokens on dim {self.axis} ({layout})"
+        ]
+        if self.key_padding_mask is not None:
+            parts.append(f"key_padding_mask {_shape(self.key_padding_mask)} {_dtype(self.key_padding_mask)}")
+        if self.attn_mask is not None:
+            parts.append(f"attn_mask {_shape(self.attn_mask)} {_dtype(self.attn_mask)}")
+        parts.append(f"need_weights={self.need_weights}, average_attn_weights={self.average_attn_weights}")
+        parts.append(f"training={self.module.training}")
+        return "; ".join(parts)
+
+
+def _detach_alike(*tensors: Tensor | None) -> list[Tensor | None]:
+    """Detach each tensor once, so `query is key is value` still holds (it selects the fused path)."""
+    detached: dict[int, Tensor] = {}
+    for tensor in tensors:
+        if tensor is not None and id(tensor) not in detached:
+            detached[id(tensor)] = tensor.detach()
+    return [None if tensor is None else detached[id(tensor)] for tensor in tensors]
+
+
+@contextmanager
+def _without_dropout(module: nn.Module) -> Iterator[None]:
+    if not (module.training and module.dropout > 0.0):
+        yield
+        return
+    module.training = False  # this module only; its dropout reads this flag
+    try:
+        yield
+    finally:
+        module.training = True
+
+
+def _next_seed() -> int:
+    with _LOCK:
+        return int(torch.randint(0, 2**31 - 2, (1,), generator=_SEEDS))
+
+
+def _tolerance_dtype(output: Tensor) -> torch.dtype:
+    """The output's dtype, or the autocast dtype when autocast computed it in lower precision."""
+    device_type = output.device.type
+    try:
+        autocast = torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # device types autocast does not know
+        autocast = False
+    if autocast and output.is_floating_point():
+        lowered = torch.get_autocast_dtype(device_type)
+        if torch.finfo(lowered).eps > torch.finfo(output.dtype).eps:
+            return lowered
+    return output.dtype
+
+
+def _qualified_name(module: nn.Module) -> str | None:
+    """The module's name in a model given to ``checking_equivariance`` (walked now, on failure only)."""
+    for model in reversed(_MODELS.get()):
+        for name, candidate in model.named_modules():
+            if candidate is module:
+                return name or type(model).__name__
+    return None
+
+
+def _label(module: nn.Module) -> str:
+    name = _qualified_name(module)
+    if name is not None:
+        return f"{type(module).__name__} '{name}'"
+    return (
+        f"{type(module).__name__}({module.extra_repr()}) (pass the model to slim_mha.checking_equivariance(model) "
+        "to get its qualified name)"
+    )
+
+
+def _shape(tensor: Tensor) -> str:
+    return "(" + ", ".join(map(str, tensor.shape)) + ")"
+
+
+def _dtype(tensor: Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")

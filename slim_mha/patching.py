@@ -1,0 +1,226 @@
+"""Make ``torch.nn.MultiheadAttention`` build slim modules: ``patch``, ``unpatch``, ``patched``, ``is_patched``.
+
+While patched, the name ``MultiheadAttention`` in ``torch.nn``, ``torch.nn.modules``,
+``torch.nn.modules.activation``, ``torch.nn.modules.transformer`` and in every other imported module
+that bound the stock class under that name (``from torch.nn import MultiheadAttention``) refers to
+:class:`PatchedMultiheadAttention`, a :class:`~slim_mha.SlimMultiheadAttention`. So does every module
+``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` build.
+
+What is and is not replaced:
+
+* Only module-level bindings named ``MultiheadAttention`` that hold the stock class. Aliases
+  (``StockMHA = nn.MultiheadAttention``) are left alone, so code can keep a deliberate reference to
+  stock; so are slim_mha's own modules, which compare against stock on purpose.
+* ``unpatch`` puts the stock class back exactly where ``patch`` put ours, and only where ours is
+  still bound: a name someone re-bound in the meantime is theirs.
+
+``isinstance`` keeps working in every direction (tested in ``tests/test_patching.py``):
+
+* Slim modules, patched or not, are instances of stock ``nn.MultiheadAttention`` (a subclass), so
+  they pass ``isinstance`` against the stock class before, during and after patching, including
+  references to it captured before ``patch()``.
+* While patched, ``torch.nn.MultiheadAttention`` names :class:`PatchedMultiheadAttention`, whose
+  metaclass also accepts stock instances: ``isinstance(stock_built_before_patch,
+  torch.nn.MultiheadAttention)`` stays ``True``, and so does ``issubclass``. Only that one class
+  widens its checks; subclasses of it, and :class:`~slim_mha.SlimMultiheadAttention` itself, keep
+  the ordinary rules.
+* Exact-type checks (``type(m) is nn.MultiheadAttention``, dictionaries keyed by type such as the
+  ``torch.ao.quantization`` mappings) do see a different class: run :func:`slim_mha.to_stock` before
+  handing a model to such code.
+* A class that subclasses ``nn.MultiheadAttention`` while patched derives from slim, for good.
+
+Patching is reference counted and guarded by one lock, so it is thread-safe and composes:
+``patch()`` holds the patch until ``unpatch()``, each open ``with patched():`` block holds it until
+the block exits, and the stock class comes back when nothing holds it. ``patch()`` and
+``unpatch()`` are idempotent.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .attention import SlimMultiheadAttention
+
+__all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttention"]
+
+# The class slim derives from. Not looked up by name: while patched, names point at our class.
+_STOCK = SlimMultiheadAttention.__base__
+_NAME = "MultiheadAttention"
+# Where the stock class must be found for the patch to mean anything; the scan finds the rest.
+_REQUIRED_MODULES = (
+    "torch.nn",
+    "torch.nn.modules",
+    "torch.nn.modules.activation",
+    "torch.nn.modules.transformer",
+)
+_OWN_PACKAGE = __name__.partition(".")[0]
+
+
+class _AcceptsStockInstances(type):
+    """Metaclass of :class:`PatchedMultiheadAttention`: stock instances and subclasses pass its checks.
+
+    While patched, ``torch.nn.MultiheadAttention`` *is* the patched class, so without this a stock
+    module built before ``patch()`` would fail ``isinstance(m, torch.nn.MultiheadAttention)``. Only
+    the installed class widens its checks (tested through ``cls.__dict__``, which subclasses do
+    not share), so a user's subclass of it does not claim stock modules.
+    """
+
+    def __instancecheck__(cls, instance) -> bool:
+        if type.__instancecheck__(cls, instance):
+            return True
+        return cls.__dict__.get("_accepts_stock", False) and isinstance(instance, _STOCK)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        if type.__subclasscheck__(cls, subclass):
+            return True
+        return cls.__dict__.get("_accepts_stock", False) and issubclass(subclass, _STOCK)
+
+
+class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockInstances):
+    """The class ``patch()`` installs as ``torch.nn.MultiheadAttention``: slim, and ``isinstance``-wide.
+
+    Behaves exactly as :class:`~slim_mha.SlimMultiheadAttention` (same constructor, state dict and
+    ``forward``); its only difference is that stock ``nn.MultiheadAttention`` instances and
+    subclasses pass ``isinstance``/``issubclass`` against it. Instances pickle by reference to this
+    class, so loading them needs slim_mha importable, not patched.
+    """
+
+    _accepts_stock = True
+
+
+class _PatchState:
+    """Who holds the patch, and every binding it replaced. Guarded by ``_LOCK``."""
+
+    def __init__(self) -> None:
+        self.held_by_patch_call = False
+        self.open_blocks = 0
+        self.replaced: list[tuple[dict, str]] = []  # (module namespace, name) now bound to ours
+
+    @property
+    def wanted(self) -> bool:
+        return self.held_by_patch_call or self.open_blocks > 0
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.replaced)
+
+
+_LOCK = threading.RLock()
+_STATE = _PatchState()
+
+
+def patch() -> None:
+    """Make ``torch.nn.MultiheadAttention`` (and every binding of it by that name) build slim modules.
+
+    Idempotent: a second call changes nothing. Holds the patch until :func:`unpatch`.
+
+    Raises:
+        RuntimeError: if ``torch.nn.MultiheadAttention`` (or one of torch's other required names)
+            is neither the stock class nor ours, i.e. another library has patched it.
+    """
+    with _LOCK:
+        _STATE.held_by_patch_call = True
+        try:
+            _apply(_STATE)
+        except BaseException:
+            _STATE.held_by_patch_call = False
+            raise
+
+
+def unpatch() -> None:
+    """Release the hold :func:`patch` took; restore the stock class once no ``patched()`` block is open.
+
+    Idempotent. Restores exactly the bindings that patching replaced and that still hold our class.
+    """
+    with _LOCK:
+        _STATE.held_by_patch_call = False
+        _apply(_STATE)
+
+
+@contextmanager
+def patched() -> Iterator[None]:
+    """Patch for the duration of a ``with`` block (or a decorated function); blocks nest and compose.
+
+    Example::
+
+        with slim_mha.patched():
+            model = torch.nn.TransformerEncoder(layer, num_layers=6)  # slim attention inside
+        # the stock class is back here, unless patch() or another open block still holds it
+    """
+    with _LOCK:
+        _STATE.open_blocks += 1
+        try:
+            _apply(_STATE)
+        except BaseException:
+            _STATE.open_blocks -= 1
+            raise
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _STATE.open_blocks -= 1
+            _apply(_STATE)
+
+
+def is_patched() -> bool:
+    """Whether ``torch.nn.MultiheadAttention`` currently builds slim modules because of this package."""
+    with _LOCK:
+        return _STATE.installed
+
+
+def _apply(state: _PatchState) -> None:
+    """Install or restore so that the bindings match who holds the patch."""
+    if state.wanted and not state.installed:
+        state.replaced = _install()
+    elif not state.wanted and state.installed:
+        _restore(state.replaced)
+        state.replaced = []
+
+
+def _install() -> list[tuple[dict, str]]:
+    _check_torch_holds_stock()
+    replaced = []
+    for namespace in _module_namespaces():
+        if namespace.get(_NAME) is _STOCK:
+            namespace[_NAME] = PatchedMultiheadAttention
+            replaced.append((namespace, _NAME))
+    return replaced
+
+
+def _restore(replaced: list[tuple[dict, str]]) -> None:
+    for namespace, name in replaced:
+        if namespace.get(name) is PatchedMultiheadAttention:
+            namespace[name] = _STOCK
+
+
+def _check_torch_holds_stock() -> None:
+    # Checked before anything is replaced, so a refusal leaves every binding as it was.
+    for module_name in _REQUIRED_MODULES:
+        module = sys.modules.get(module_name)
+        bound = getattr(module, _NAME, None) if module is not None else None
+        if bound is not _STOCK:
+            raise RuntimeError(
+                f"slim_mha.patch(): {module_name}.{_NAME} is {bound!r}, not torch's stock class; another "
+                "library has patched it. Undo that patch first, or use slim_mha.convert(model) instead "
+                "of patching"
+            )
+
+
+def _module_namespaces() -> Iterator[dict]:
+    """The ``__dict__`` of every imported module except our own, read defensively.
+
+    ``sys.modules`` is snapshotted first (imports in other threads may grow it) and may hold lazy
+    proxies that import, or raise, when their attributes are touched: those are skipped.
+    """
+    for module_name, module in list(sys.modules.items()):
+        if module_name == _OWN_PACKAGE or module_name.startswith(_OWN_PACKAGE + "."):
+            continue
+        try:
+            namespace = object.__getattribute__(module, "__dict__")
+        except Exception:  # not a module, or a proxy without a plain namespace
+            continue
+        if isinstance(namespace, dict):
+            yield namespace

@@ -1,0 +1,167 @@
+"""Worker processes for tests/test_distributed.py (a module of its own so that spawn can import it).
+
+Each worker trains a model built under ``slim_mha.patched()`` for a few steps on its own slice of
+the data, then checks that every rank holds the same parameters, and that they equal a
+single-process run on all the data (DDP and FSDP average the per-rank gradients, so the reference
+minimises the mean of the per-rank losses). Rank 0 saves the state dict the wrapper gives, and the
+reference output on a probe batch, for the parent test to load back.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slim_mha import SlimMultiheadAttention, patched
+
+E, H, FF = 16, 4, 32
+BATCH, LENGTH, STEPS, LEARNING_RATE = 2, 6, 3, 0.05
+TIMEOUT = timedelta(seconds=60)
+
+
+class Model(nn.Module):
+    """torch's encoder, then an attention module that keeps every slim parameter kind in use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        # add_zero_attn keeps k_proj_bias, add_bias_kv adds bias_k/bias_v: all must get gradients,
+        # or DDP with find_unused_parameters=False fails on the next step.
+        self.attention = nn.MultiheadAttention(E, H, add_bias_kv=True, add_zero_attn=True, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(x)
+        return self.attention(hidden, hidden, hidden, need_weights=False)[0]  # (B, L, E)
+
+
+def build_model() -> Model:
+    torch.manual_seed(0)
+    with patched():
+        model = Model()
+    attention = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+    assert len(attention) == 3 and all(isinstance(m, SlimMultiheadAttention) for m in attention)
+    with torch.no_grad():  # non-zero biases everywhere, identical on every rank
+        generator = torch.Generator().manual_seed(0)
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(BATCH, LENGTH, E, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def probe() -> torch.Tensor:
+    return torch.randn(3, LENGTH, E, generator=torch.Generator().manual_seed(99))
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def train(model: nn.Module, batches) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for x in batches:
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+
+
+def train_reference(world_size: int) -> Model:
+    """One process, all ranks' data: the loss is the mean of the per-rank losses."""
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = sum(loss_of(model(batch(rank, step))) for rank in range(world_size)) / world_size
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def join_group(rank: int, world_size: int, port: int) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
+
+
+def assert_ranks_agree(state: dict[str, torch.Tensor], world_size: int) -> None:
+    flat = torch.cat([tensor.detach().flatten().float() for _, tensor in sorted(state.items())])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    for rank, other in enumerate(gathered):
+        assert torch.equal(other, gathered[0]), f"rank {rank}'s parameters differ from rank 0's"
+
+
+def assert_matches_reference(state: dict[str, torch.Tensor], reference_model: Model) -> None:
+    reference = reference_model.state_dict()
+    initial = build_model().state_dict()
+    assert list(state) == list(reference), f"keys differ: {set(state) ^ set(reference)}"
+    for name, expected in reference.items():
+        actual = state[name].detach()
+        error = (actual - expected).abs().max().item()
+        assert error <= 1e-5 * max(1.0, expected.abs().max().item()), f"{name}: off the reference by {error:.3e}"
+    moved = [name for name in reference if not torch.equal(reference[name], initial[name])]
+    assert len(moved) == len(reference), f"parameters never trained: {set(reference) - set(moved)}"
+
+
+def check_and_save(path: Path, state: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], world_size: int) -> None:
+    """On rank 0 only: compare with the single-process run, save what the wrapper's state dict gave."""
+    reference = train_reference(world_size)
+    assert_matches_reference(state, reference)
+    with torch.no_grad():
+        output = reference(probe())
+    saved = {name: tensor.detach().clone() for name, tensor in saved.items()}
+    torch.save({"state_dict": saved, "probe_output": output}, path)
+
+
+def train_ddp(rank: int, world_size: int, out_dir: Path) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model()
+    wrapped = DistributedDataParallel(model, find_unused_parameters=False)
+    train(wrapped, [batch(rank, step) for step in range(STEPS)])
+    assert_ranks_agree(model.state_dict(), world_size)
+    if rank == 0:  # the wrapper's own state dict, with its "module." prefix
+        check_and_save(out_dir / "ddp.pt", model.state_dict(), wrapped.state_dict(), world_size)
+    dist.barrier()
+
+
+def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> None:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as error:  # older torch: the parent test skips with this reason
+        if rank == 0:
+            (out_dir / "fsdp2-unsupported.txt").write_text(repr(error))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train(model, [batch(rank, step) for step in range(STEPS)])
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert_ranks_agree(full, world_size)
+    if rank == 0:
+        check_and_save(out_dir / "fsdp2.pt", full, full, world_size)
+    dist.barrier()
+
+
+def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Both wrappers in one process group: spawning and importing torch dominate the test's time."""
+    join_group(rank, world_size, port)
+    try:
+        train_ddp(rank, world_size, Path(out_dir))
+        train_fsdp2(rank, world_size, Path(out_dir))
+    finally:
+        dist.destroy_process_group()

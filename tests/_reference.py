@@ -1,0 +1,45 @@
+"""Shared by the conversion, patching, transformer-stack, compile and distributed tests.
+
+Stock modules are built with every parameter random: the default initialisation zeroes the input
+biases, and a zero key bias would let a wrong fold pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Relative to the largest magnitude of the expected tensor (see assert_close_scaled).
+TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 2e-2,
+    torch.float16: 1e-2,
+}
+
+# Captured at import, before any test patches torch.nn: always torch's own class.
+STOCK_MHA = nn.MultiheadAttention
+
+
+def randomize_parameters(module: nn.Module, seed: int = 0, scale: float = 0.5) -> nn.Module:
+    """Overwrite every parameter with seeded normal noise (so every bias is non-zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * scale
+            parameter.copy_(noise.to(parameter.dtype))
+    return module
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
+    """max|actual - expected| <= tol[dtype] * max(1, max|expected|); same dtype and shape required."""
+    __tracebackhide__ = True
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    tolerance = TOLERANCE[expected.dtype]
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if expected.numel() == 0:
+        return
+    scale = max(1.0, expected.abs().max().item())
+    error = (actual - expected).abs().max().item()
+    assert error <= tolerance * scale, f"{what}: max error {error:.3e} > {tolerance:.0e} * {scale:.3g}"

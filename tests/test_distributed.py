@@ -1,0 +1,90 @@
+"""A patched model trained by 2 CPU processes (gloo, loopback) under DDP and FSDP2.
+
+The workers (tests/_distributed_worker.py) check that the ranks agree and match a single-process
+run; here the state dict rank 0 saved from the wrapper is loaded back into a slim model and, via
+``to_stock``, into a stock one.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import _distributed_worker as worker
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _reference import STOCK_MHA, assert_close_scaled
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from slim_mha import to_stock
+
+WORLD_SIZE = 2
+TIMEOUT_S = 120
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs the gloo backend"),
+]
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Spawn the workers once (DDP, then FSDP2) and wait at most TIMEOUT_S; a worker's exception fails."""
+    out_dir = tmp_path_factory.mktemp("distributed")
+    context = mp.start_processes(
+        worker.run,
+        args=(WORLD_SIZE, free_loopback_port(), str(out_dir)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while not context.join(timeout=1):  # raises ProcessRaisedException if a worker failed
+        if time.monotonic() > deadline:
+            for process in context.processes:  # only the processes this fixture started
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"distributed workers did not finish within {TIMEOUT_S}s")
+    return out_dir
+
+
+def load_back(saved_file: Path, *, strip_prefix: str = "") -> None:
+    """The saved wrapper state dict loads strictly into a fresh patched model and, converted, into stock."""
+    saved = torch.load(saved_file)
+    state, expected = saved["state_dict"], saved["probe_output"]
+    consume_prefix_in_state_dict_if_present(state, strip_prefix)
+    x = worker.probe()
+
+    slim = worker.build_model()
+    slim.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert_close_scaled(slim(x), expected, "slim output")
+
+    torch.manual_seed(0)
+    stock = worker.Model()  # built unpatched: torch's own attention
+    assert all(type(m) is STOCK_MHA for m in stock.modules() if isinstance(m, STOCK_MHA))
+    stock.load_state_dict(to_stock(slim).state_dict(), strict=True)
+    with torch.no_grad():
+        assert_close_scaled(stock(x), expected, "stock output")
+
+
+def test_ddp_trains_a_patched_model_in_sync(trained):
+    """In the workers: find_unused_parameters=False, ranks equal, equal to one process on all data."""
+    load_back(trained / "ddp.pt", strip_prefix="module.")
+
+
+def test_fsdp2_trains_a_patched_model_in_sync(trained):
+    """The same under fully_shard on a CPU device mesh; the full state dict is gathered to save."""
+    unsupported = trained / "fsdp2-unsupported.txt"
+    if unsupported.exists():
+        pytest.skip(f"this torch has no FSDP2: {unsupported.read_text()}")
+    load_back(trained / "fsdp2.pt")
