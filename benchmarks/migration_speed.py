@@ -1,0 +1,182 @@
+"""Migration speed against copying the files, and peak memory against the largest shard.
+
+Builds a synthetic sharded stock checkpoint of transformer layers (default 1 GiB in 4 shards) in a
+temporary directory, then, interleaved over ``--repeats`` rounds:
+
+* ``cp -r SRC DST`` (the baseline the issue names),
+* ``fold_checkpoint(SRC, DST)`` in this process (migration alone),
+* ``python -m migration fold SRC DST --quiet`` (end to end, including Python and torch start-up),
+* ``python -c "import migration.cli"`` (that start-up alone: a fixed cost, whatever the size).
+
+Dirty pages are flushed (``os.sync``) between runs, outside the timings; the source stays in the
+page cache for all three, so each reads from memory and writes to the page cache alike.
+
+Peak memory: each command runs in a fresh child that imports everything first, then resets the
+kernel's peak-RSS mark (``/proc/self/clear_refs``) and reports its peak (``VmHWM``) minus its RSS at
+that point: the memory the migration itself took, with the import-time peak of torch excluded.
+
+    python benchmarks/migration_speed.py                 # 1 GiB, 4 shards, 5 rounds
+    python benchmarks/migration_speed.py --size-gib 0.25 --shards 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from migration import fold_checkpoint  # noqa: E402
+
+EMBED = 1024
+# A child that imports everything, resets the kernel's peak-RSS mark (VmHWM, via clear_refs), runs the
+# CLI and reports "rss_at_start peak" in bytes: the peak covers the migration alone, not the imports.
+_CHILD = """
+import sys
+from migration.cli import main
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+start = status("VmRSS")
+try:
+    main(sys.argv[1:])
+finally:
+    print(start, status("VmHWM"), file=sys.stderr)
+"""
+
+
+def layer_tensors(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One encoder layer of width EMBED, float32: about 48 MiB."""
+    prefix = f"encoder.layers.{index}."
+    shapes = {
+        "self_attn.in_proj_weight": (3 * EMBED, EMBED),
+        "self_attn.in_proj_bias": (3 * EMBED,),
+        "self_attn.out_proj.weight": (EMBED, EMBED),
+        "self_attn.out_proj.bias": (EMBED,),
+        "linear1.weight": (4 * EMBED, EMBED),
+        "linear1.bias": (4 * EMBED,),
+        "linear2.weight": (EMBED, 4 * EMBED),
+        "linear2.bias": (EMBED,),
+        "norm1.weight": (EMBED,),
+        "norm1.bias": (EMBED,),
+    }
+    return {prefix + name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def build_checkpoint(directory: Path, size_bytes: int, shards: int) -> list[int]:
+    """A sharded stock checkpoint with an HF index; returns the shard sizes in bytes."""
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    per_layer = sum(t.numel() * t.element_size() for t in layer_tensors(0, generator).values())
+    layers = max(shards, round(size_bytes / per_layer))
+    weight_map, sizes = {}, []
+    for shard in range(shards):
+        name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for layer in range(shard * layers // shards, (shard + 1) * layers // shards):
+            tensors.update(layer_tensors(layer, generator))
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+        weight_map.update({key: name for key in tensors})
+        sizes.append((directory / name).stat().st_size)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sizes
+
+
+def timed(action) -> float:
+    os.sync()
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def child_extra_memory(*argv: str) -> int:
+    """Peak RSS of a CLI run above the RSS it had after its imports, in bytes."""
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"child failed: {result.stderr.strip()}")
+    start, peak = map(int, result.stderr.strip().splitlines()[-1].split())
+    return peak - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="slim-mha-migration-bench-", dir=args.dir))
+    try:
+        source = work / "stock"
+        sizes = build_checkpoint(source, int(args.size_gib * 2**30), args.shards)
+        total = sum(sizes)
+        print(f"checkpoint: {total / 2**30:.3f} GiB in {len(sizes)} shards (largest {max(sizes) / 2**20:.1f} MiB), "
+              f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+        runs = {
+            "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
+            "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
+            "fold (CLI)": lambda: subprocess.run(
+                [sys.executable, "-m", "migration", "fold", str(source), str(work / "cli"), "--quiet"],
+                check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            ),
+            # The CLI's fixed cost: start Python and import torch, safetensors and migration.
+            "start-up": lambda: subprocess.run(
+                [sys.executable, "-c", "import migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            ),
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, action in runs.items():
+                times[name].append(timed(action))
+            for leftover in ("copy", "api", "cli"):
+                shutil.rmtree(work / leftover)
+        # "x cp" is the median over rounds of (this run / the cp run of the same round): robust to the
+        # machine's load drifting between rounds.
+        print(f"\n{'command':<12} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6}   per round")
+        for name, values in times.items():
+            median = statistics.median(values)
+            ratio = statistics.median(value / copy for value, copy in zip(values, times["cp -r"]))
+            rounds = " ".join(f"{value:.2f}" for value in values)
+            print(f"{name:<12} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratio:6.2f}   {rounds}")
+
+        print(f"\npeak RSS during the run, above the RSS after imports; largest shard {max(sizes) / 2**20:.1f} MiB")
+        # A torch pickle is one shard by definition: the largest shard, re-saved as a .pt.
+        largest = source / f"model-{sizes.index(max(sizes)) + 1:05d}-of-{len(sizes):05d}.safetensors"
+        torch.save({"state_dict": load_file(largest)}, work / "largest.pt")
+        for label, argv in (
+            ("fold", ["fold", str(source), str(work / "m1"), "--quiet"]),
+            ("fold --verify", ["fold", str(source), str(work / "m2"), "--quiet", "--verify"]),
+            ("fold --fold-value-bias --verify", ["fold", str(source), str(work / "m3"), "--quiet", "--verify",
+                                                 "--fold-value-bias"]),
+            ("to-stock --verify", ["to-stock", str(work / "m1"), str(work / "m4"), "--quiet", "--verify"]),
+            ("inspect", ["inspect", str(source)]),
+            (".pt (= largest shard) fold --verify", ["fold", str(work / "largest.pt"), str(work / "pt.safetensors"),
+                                                     "--quiet", "--verify"]),
+        ):
+            extra = child_extra_memory(*argv)
+            print(f"{label:<36} extra {extra / 2**20:7.1f} MiB = {extra / max(sizes):.3f} x largest shard")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

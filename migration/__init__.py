@@ -1,0 +1,124 @@
+"""Checkpoint migration between the stock ``nn.MultiheadAttention`` layout and slim_mha's.
+
+The four operations mirror the CLI (``slim-mha-migrate`` / ``python -m migration``)::
+
+    from migration import fold_checkpoint, inspect_checkpoint, format_report
+
+    print(format_report(inspect_checkpoint("model.safetensors")))
+    report = fold_checkpoint("model.safetensors", "model.slim.safetensors", verify=True)
+
+SRC is a ``.safetensors`` file, a directory with ``model.safetensors.index.json`` (or that index
+file), a directory with one ``model.safetensors``, or a ``.pt``/``.pth``/``.bin`` state dict read with
+``torch.load(weights_only=True)``. The output is safetensors, sharded as the input was. Why each
+conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the arithmetic.
+
+Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
+and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message
+names the file and the key. Nothing is ever written to SRC, and DST appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from ._migrate import FORMAT_VERSION, inspect_source, migrate
+from .report import MigrationReport, ModuleReport, format_report
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MigrationReport",
+    "ModuleReport",
+    "format_report",
+    "fold_checkpoint",
+    "inspect_checkpoint",
+    "strip_checkpoint",
+    "to_stock_checkpoint",
+]
+
+PathLike = str | os.PathLike
+
+
+def strip_checkpoint(
+    source: PathLike,
+    destination: PathLike,
+    *,
+    zero_attn: Iterable[str] = (),
+    fold_value_bias: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool | None = None,
+) -> MigrationReport:
+    """Drop the key slice of every ``in_proj_bias``; refuse where that is not exact.
+
+    Dropping ``b_k`` is exact unless the module appends tokens after the projection: with ``bias_k``
+    (``add_bias_kv``) or a module marked in ``zero_attn`` it refuses, pointing to :func:`fold`.
+
+    Args:
+        source: the checkpoint to read (never modified).
+        destination: a ``.safetensors`` path, or a directory for a sharded source.
+        zero_attn: names or glob patterns (``"decoder.layers.*.self_attn"``) of modules built with
+            ``add_zero_attn=True``; a checkpoint cannot record that flag.
+        fold_value_bias: also fold ``b_v`` into ``out_proj.bias``: exact for inference (eval) only,
+            because dropout on the attention weights breaks the rows summing to one.
+        verify: rebuild every changed module from the original and migrated tensors and compare their
+            outputs on random inputs; a mismatch raises ``RuntimeError`` and nothing is written.
+        dry_run: do everything but write.
+        force: replace an existing destination.
+        progress: show a tqdm bar on stderr: ``None`` decides (a TTY and several shards or a large
+            file), ``True`` always, ``False`` never.
+    """
+    return migrate(
+        "strip", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
+        verify=verify, dry_run=dry_run, force=force, progress=progress,
+    )
+
+
+def fold_checkpoint(
+    source: PathLike,
+    destination: PathLike,
+    *,
+    zero_attn: Iterable[str] = (),
+    fold_value_bias: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool | None = None,
+) -> MigrationReport:
+    """Convert every stock module to the slim layout, exactly, wherever its key bias sits.
+
+    ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` keep ``b_k`` as
+    ``k_proj_bias``. The arguments are those of :func:`strip_checkpoint`.
+    """
+    return migrate(
+        "fold", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
+        verify=verify, dry_run=dry_run, force=force, progress=progress,
+    )
+
+
+def to_stock_checkpoint(
+    source: PathLike,
+    destination: PathLike,
+    *,
+    zero_attn: Iterable[str] = (),
+    verify: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool | None = None,
+) -> MigrationReport:
+    """Convert slim modules back to the stock layout: stock ``nn.MultiheadAttention`` then loads the
+    checkpoint with ``strict=True`` and computes the same outputs.
+
+    The dropped key bias comes back as a zero slice of ``in_proj_bias`` (and a folded value bias as a
+    zero value slice). The arguments are those of :func:`strip_checkpoint`.
+    """
+    return migrate(
+        "to-stock", source, destination, zero_attn=zero_attn, verify=verify, dry_run=dry_run,
+        force=force, progress=progress,
+    )
+
+
+def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
+    """List every attention module with its shapes, its key bias, and what each mode would do to it."""
+    return inspect_source(source, zero_attn=zero_attn)

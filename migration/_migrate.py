@@ -1,0 +1,361 @@
+"""One migration run, in the order that keeps the input safe and the output whole.
+
+1. Check the arguments and the destination (paths only, no reads).
+2. Read the headers, find and check every attention module, plan each one; refuse before reading data.
+3. Compute the few rewritten biases; with ``verify``, compare each module before and after.
+4. Write every shard into a staging file or folder beside the destination, then ``os.replace`` it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from slim_mha import SlimMultiheadAttention
+
+from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
+from ._modules import AttentionGroup, find_attention_modules
+from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
+from ._verify import check_module_error, module_output_error, tolerance_for
+from ._writer import OutputTensor, write_safetensors
+from .report import MigrationReport, ModuleReport
+
+FORMAT_VERSION = SlimMultiheadAttention._version
+_PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
+_CHECKPOINT_FILES = (".safetensors", ".index.json")
+
+
+def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
+    source = Path(source)
+    zero_attn = _check_patterns(zero_attn)
+    checkpoint = open_checkpoint(source)
+    groups = find_attention_modules(checkpoint)
+    marked = _match_zero_attn(zero_attn, groups, source)
+    modules = tuple(_module_report(group, group.name in marked) for group in groups)
+    return _report(checkpoint, "inspect", None, modules)
+
+
+def migrate(
+    mode: str,
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    zero_attn: Iterable[str] = (),
+    fold_value_bias: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool | None = None,
+) -> MigrationReport:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if fold_value_bias and mode == "to-stock":
+        raise ValueError("fold_value_bias applies to strip and fold only; to-stock restores the stock layout")
+    source, destination = Path(source), Path(destination)
+    zero_attn = _check_patterns(zero_attn)
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    _check_destination(source, source_kind(source), destination, force=force)
+
+    checkpoint = open_checkpoint(source)
+    groups = find_attention_modules(checkpoint)
+    if not groups:
+        raise ValueError(
+            f"{source}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
+            "q_proj_weight); nothing was written"
+        )
+    marked = _match_zero_attn(zero_attn, groups, source)
+    plans = [
+        plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
+        for group in groups
+    ]
+    refused = [plan for plan in plans if plan.refusal]
+    if refused:
+        first = refused[0]
+        others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise ValueError(
+            f"{source}: {mode} cannot convert '{first.group.name}'{others} exactly: {first.refusal}; "
+            "nothing was written"
+        )
+    if not any(plan.changes for plan in plans):
+        state = "stock" if mode == "to-stock" else "slim"
+        raise ValueError(
+            f"{source}: nothing to do: all {len(plans)} attention modules are already in the {state} "
+            "layout; nothing was written"
+        )
+
+    rewritten: dict[str, dict[str, torch.Tensor]] = {}  # module prefix -> its new tensors by local name
+    modules = []
+    for plan in plans:
+        group = plan.group
+        tensors = migrated_tensors(plan, _reader(group)) if plan.changes else {}
+        error = _verify_module(plan, tensors) if verify and plan.changes else None
+        rewritten[group.prefix] = tensors
+        modules.append(_module_report(group, plan.zero_attn, plan=plan, verify_error=error))
+
+    outputs = _output_files(checkpoint, plans, rewritten)
+    metadata = {"slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": mode}
+    if any(plan.fold_value for plan in plans):
+        metadata["slim_mha.value_bias_folded"] = "eval-only"
+    if marked:
+        metadata["slim_mha.zero_attn_modules"] = ",".join(sorted(marked))
+    output_tensors = sum(len(tensors) for _, tensors in outputs)
+    output_bytes = sum(tensor.nbytes for _, tensors in outputs for tensor in tensors)
+    if not dry_run:
+        _write_output(checkpoint, destination, outputs, metadata, force=force, progress=progress)
+    return _report(
+        checkpoint, mode, destination, tuple(modules),
+        output_tensors=output_tensors, output_bytes=output_bytes,
+        dry_run=dry_run, written=not dry_run, verified=verify,
+    )
+
+
+# ----------------------------------------------------------------------------------- arguments
+
+
+def _check_patterns(zero_attn: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(zero_attn, str):
+        raise ValueError(f"zero_attn must be a list of module names or patterns, got the string {zero_attn!r}")
+    patterns = tuple(zero_attn)
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern.strip("."):
+            raise ValueError(f"--zero-attn {pattern!r}: expected a module name such as 'decoder.layers.0.self_attn'")
+    return patterns
+
+
+def _check_destination(source: Path, kind: str, destination: Path, *, force: bool) -> None:
+    writes_directory = kind in ("directory", "sharded")
+    if writes_directory and destination.name.endswith((".safetensors", ".json")):
+        raise ValueError(
+            f"{destination}: {source} is a checkpoint directory, so DST must be a directory (the shards "
+            "keep their names), not a file name"
+        )
+    if not writes_directory and not destination.name.endswith(".safetensors"):
+        raise ValueError(f"{destination}: the output is one safetensors file, so DST must end in .safetensors")
+    if not destination.parent.resolve().is_dir():
+        raise FileNotFoundError(f"{destination.parent}: the folder for DST does not exist; create it first")
+    source_root = source.resolve()
+    if writes_directory and not source.is_dir():
+        source_root = source_root.parent  # an index file: its shards sit beside it
+    target = destination.resolve()
+    if target == source_root or (writes_directory and target in source_root.parents):
+        raise ValueError(f"{destination}: DST would overwrite the input {source}; write to another path")
+    if not (destination.exists() or destination.is_symlink()):
+        return
+    if writes_directory:
+        if not destination.is_dir():
+            raise ValueError(f"{destination}: exists and is not a directory; remove it or choose another DST")
+        entries = sorted(os.listdir(destination))
+        if not entries:
+            return
+        if not force:
+            raise FileExistsError(f"{destination}: already exists; pass --force to replace it")
+        foreign = [name for name in entries if not name.endswith(_CHECKPOINT_FILES)]
+        if foreign:
+            raise ValueError(
+                f"{destination}: --force would delete '{foreign[0]}', which is not a checkpoint file; "
+                "choose another DST"
+            )
+    else:
+        if destination.is_dir():
+            raise ValueError(f"{destination}: is a directory, but the output is one .safetensors file")
+        if not force:
+            raise FileExistsError(f"{destination}: already exists; pass --force to replace it")
+
+
+def _match_zero_attn(patterns: tuple[str, ...], groups: list[AttentionGroup], source: Path) -> set[str]:
+    names = [group.name for group in groups]
+    marked: set[str] = set()
+    for pattern in patterns:
+        hits = [name for name in names if fnmatch.fnmatchcase(name, pattern.rstrip("."))]
+        if not hits:
+            example = f"; modules are named like '{names[0]}' (see inspect)" if names else ""
+            raise ValueError(f"{source}: --zero-attn '{pattern}' matches no attention module{example}")
+        marked.update(hits)
+    return marked
+
+
+# ------------------------------------------------------------------------------------ per module
+
+
+def _reader(group: AttentionGroup):
+    return lambda local: group.records[local].read()
+
+
+def _verify_module(plan: ModulePlan, rewritten: dict) -> float:
+    group = plan.group
+    kept = {local: record for local, record in group.records.items() if local not in plan.removed}
+    tolerance, dtype = tolerance_for(
+        [FLOAT_DTYPES[kept[local].dtype] for local in kept if local not in rewritten]
+        + [tensor.dtype for tensor in rewritten.values()]
+    )
+    # Widen as each tensor is read, so that only one float64 copy of the weights is held at a time.
+    original = {local: record.read().to(torch.float64) for local, record in group.records.items()}
+    migrated = {local: original[local] for local in kept}
+    migrated.update(rewritten)
+    error = module_output_error(
+        original, migrated, embed_dim=group.embed_dim, kdim=group.kdim, vdim=group.vdim, zero_attn=plan.zero_attn
+    )
+    where = str(group.records["out_proj.weight"].shard.path)
+    check_module_error(error, tolerance, module=group.name, where=where, dtype=dtype)
+    return error
+
+
+def _module_report(
+    group: AttentionGroup, zero_attn: bool, *, plan: ModulePlan | None = None, verify_error: float | None = None
+) -> ModuleReport:
+    actions = {
+        mode: plan_module(group, mode, zero_attn=zero_attn).action for mode in MODES
+    }
+    key_bias, key_bias_max = _key_bias(group)
+    return ModuleReport(
+        name=group.name,
+        layout=group.layout,
+        embed_dim=group.embed_dim,
+        kdim=group.kdim,
+        vdim=group.vdim,
+        dtype=group.dtype,
+        shapes=tuple((local, record.shape) for local, record in group.sorted_records()),
+        key_bias=key_bias,
+        key_bias_max=key_bias_max,
+        bias_kv=group.has_bias_kv,
+        zero_attn=zero_attn or "k_proj_bias" in group,
+        strip=actions["strip"],
+        fold=actions["fold"],
+        to_stock=actions["to-stock"],
+        action=plan.action if plan else None,
+        changed=bool(plan and plan.changes),
+        verify_error=verify_error,
+    )
+
+
+def _key_bias(group: AttentionGroup) -> tuple[str, float | None]:
+    if "in_proj_bias" in group:
+        embed_dim = group.embed_dim
+        key_bias = group.records["in_proj_bias"].read()[embed_dim : 2 * embed_dim]
+    elif "k_proj_bias" in group:
+        key_bias = group.records["k_proj_bias"].read()
+    else:
+        return ("dropped" if group.is_slim else "absent"), None
+    largest = float(key_bias.float().abs().max())
+    return ("zero" if largest == 0 else "non-zero"), largest
+
+
+# ------------------------------------------------------------------------------------ the output
+
+
+def _output_files(
+    checkpoint: Checkpoint, plans: list[ModulePlan], rewritten: dict[str, dict[str, torch.Tensor]]
+) -> list[tuple[str, list[OutputTensor]]]:
+    """Each output file's name and tensors: the input's shards, minus dropped keys, plus new ones."""
+    replaced: set[str] = set()
+    added: dict[str, list[OutputTensor]] = {shard.name: [] for shard in checkpoint.shards}
+    for plan in plans:
+        group, tensors = plan.group, rewritten[plan.group.prefix]
+        replaced.update(group.key(local) for local in plan.removed)
+        for local, tensor in tensors.items():
+            replaced.add(group.key(local))
+            home = group.records[plan.placed[local]].shard.name
+            nbytes = tensor.numel() * tensor.element_size()
+            added[home].append(
+                OutputTensor(group.key(local), DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), nbytes, tensor=tensor)
+            )
+    files = []
+    for shard in checkpoint.shards:
+        kept = [
+            OutputTensor(record.key, record.dtype, record.shape, record.nbytes, record=record)
+            for key, record in shard.records.items()
+            if key not in replaced
+        ]
+        if kept or added[shard.name]:
+            files.append((shard.name, kept + added[shard.name]))
+    return files
+
+
+def _write_output(
+    checkpoint: Checkpoint,
+    destination: Path,
+    files: list[tuple[str, list[OutputTensor]]],
+    provenance: dict[str, str],
+    *,
+    force: bool,
+    progress: bool | None,
+) -> None:
+    shards = {shard.name: shard for shard in checkpoint.shards}
+    total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
+    if progress is None:
+        progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
+    staging = destination.parent / f".{destination.name}.{secrets.token_hex(4)}.tmp"
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
+               file=sys.stderr, disable=not progress)
+    try:
+        if checkpoint.writes_directory:
+            staging.mkdir()
+        for name, tensors in files:
+            path = staging / name if checkpoint.writes_directory else staging
+            bar.set_postfix_str(name, refresh=False)
+            write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update)
+        if checkpoint.kind == "sharded":
+            _write_index(staging / checkpoint.index_name, checkpoint, files, provenance)
+        _replace(staging, destination, force=force)
+    except BaseException:
+        if staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+        elif staging.exists():
+            staging.unlink()
+        raise
+    finally:
+        bar.close()
+
+
+def _write_index(path: Path, checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], provenance) -> None:
+    weight_map = {tensor.key: name for name, tensors in files for tensor in tensors}
+    total_size = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
+    index = {
+        "metadata": {**checkpoint.index_metadata, **provenance, "total_size": total_size},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _replace(staging: Path, destination: Path, *, force: bool) -> None:
+    """Move the finished output into place; an existing one is swapped out only after it is complete."""
+    exists = destination.exists() or destination.is_symlink()
+    if exists and not force and not (destination.is_dir() and not os.listdir(destination)):
+        raise FileExistsError(f"{destination}: appeared while writing; pass --force to replace it")
+    if staging.is_dir() and exists:
+        retired = staging.with_name(staging.name + ".old")
+        os.replace(destination, retired)
+        os.replace(staging, destination)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, destination)
+
+
+def _report(checkpoint: Checkpoint, mode: str, destination: Path | None, modules, **fields) -> MigrationReport:
+    records = checkpoint.records
+    metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
+    return MigrationReport(
+        mode=mode,
+        source=checkpoint.source,
+        destination=destination,
+        shards=tuple(shard.name for shard in checkpoint.shards),
+        tensors=len(records),
+        total_bytes=sum(record.nbytes for record in records.values()),
+        modules=modules,
+        metadata=metadata,
+        notes=checkpoint.notes,
+        **fields,
+    )
+
+
+__all__ = ["FORMAT_VERSION", "INDEX_NAME", "SINGLE_NAME", "inspect_source", "migrate"]

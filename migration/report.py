@@ -1,0 +1,139 @@
+"""What a migration found and did: plain dataclasses, and one function that turns them into text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ModuleReport", "MigrationReport", "format_report"]
+
+
+@dataclass(frozen=True)
+class ModuleReport:
+    """One attention module, found by its key prefix.
+
+    ``shapes`` lists each tensor of the module (local name, shape). ``key_bias`` is ``"absent"``
+    (``bias=False``), ``"dropped"`` (already slim), ``"zero"`` or ``"non-zero"``; ``key_bias_max`` is
+    the largest ``|b_k|`` where it is stored. ``strip``, ``fold`` and ``to_stock`` say what each mode
+    does to the module; ``action`` is what this run did to it.
+    """
+
+    name: str
+    layout: str
+    embed_dim: int
+    kdim: int
+    vdim: int
+    dtype: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    key_bias: str
+    key_bias_max: float | None
+    bias_kv: bool
+    zero_attn: bool
+    strip: str
+    fold: str
+    to_stock: str
+    action: str | None = None
+    changed: bool = False
+    verify_error: float | None = None
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    """A whole run: ``mode`` is ``"inspect"``, ``"strip"``, ``"fold"`` or ``"to-stock"``."""
+
+    mode: str
+    source: Path
+    destination: Path | None
+    shards: tuple[str, ...]
+    tensors: int
+    total_bytes: int
+    modules: tuple[ModuleReport, ...]
+    metadata: dict[str, str]
+    output_tensors: int | None = None
+    output_bytes: int | None = None
+    dry_run: bool = False
+    written: bool = False
+    verified: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> tuple[ModuleReport, ...]:
+        return tuple(module for module in self.modules if module.changed)
+
+
+def format_report(report: MigrationReport) -> str:
+    """The report as the CLI prints it."""
+    if report.mode == "inspect":
+        lines = _format_inspect(report)
+    else:
+        lines = _format_migration(report)
+    lines += [f"note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def _format_inspect(report: MigrationReport) -> list[str]:
+    count = len(report.modules)
+    lines = [
+        f"{report.source}: {count} attention module{'s' if count != 1 else ''}; "
+        f"{_plural(len(report.shards), 'shard')}, {_plural(report.tensors, 'tensor')}, {_size(report.total_bytes)}"
+    ]
+    if report.metadata:
+        lines.append("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(report.metadata.items())))
+    for module in report.modules:
+        dims = f"embed_dim={module.embed_dim}"
+        if (module.kdim, module.vdim) != (module.embed_dim, module.embed_dim):
+            dims += f", kdim={module.kdim}, vdim={module.vdim}"
+        key_bias = module.key_bias
+        if module.key_bias_max is not None and module.key_bias == "non-zero":
+            key_bias += f" (max |b_k| {module.key_bias_max:.3g})"
+        lines += [
+            f"{module.name}: {module.layout}, {dims}, {module.dtype}, key bias {key_bias}, "
+            f"bias_k/bias_v {_yes(module.bias_kv)}, add_zero_attn {_yes(module.zero_attn)}",
+            "  shapes:   " + ", ".join(f"{local} {list(shape)}" for local, shape in module.shapes),
+            f"  strip:    {module.strip}",
+            f"  fold:     {module.fold}",
+            f"  to-stock: {module.to_stock}",
+        ]
+    return lines
+
+
+def _format_migration(report: MigrationReport) -> list[str]:
+    count = len(report.modules)
+    lines = [
+        f"{report.mode} {report.source} -> {report.destination}: {len(report.changed)} of "
+        f"{_plural(count, 'attention module')} changed"
+    ]
+    for module in report.modules:
+        line = f"  {module.name}: {module.action}"
+        if module.verify_error is not None:
+            line += f" [verified, error {module.verify_error:.2g}]"
+        lines.append(line)
+    if report.verified:
+        worst = max((m.verify_error for m in report.changed if m.verify_error is not None), default=0.0)
+        lines.append(f"verified {_plural(len(report.changed), 'module')}: largest relative output error {worst:.2g}")
+    what = (
+        f"{_plural(len(report.shards), 'shard')}, {_plural(report.output_tensors or 0, 'tensor')}, "
+        f"{_size(report.output_bytes or 0)}"
+    )
+    if report.dry_run:
+        lines.append(f"dry run: would write {report.destination} ({what}); nothing was written")
+    elif report.written:
+        lines.append(f"wrote {report.destination} ({what})")
+    return lines
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _size(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

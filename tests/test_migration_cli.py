@@ -1,0 +1,287 @@
+"""The CLI through its real entry point: argv in, captured stdout/stderr and the exit code out."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import migration._migrate as migrate_module
+from migration.cli import main
+from _migration_checkpoints import prefixed, save_sharded, stock_attention
+
+PROG = "slim-mha-migrate"
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = main([str(arg) for arg in argv])
+    except SystemExit as exit:
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def stock_file(tmp_path):
+    path = tmp_path / "stock.safetensors"
+    tensors = {**prefixed(stock_attention(seed=1), "enc.attn."), **prefixed(stock_attention(add_bias_kv=True), "dec.attn.")}
+    save_file(tensors, path)
+    return path
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    tensors = {**prefixed(stock_attention(seed=1), "a."), **prefixed(stock_attention(seed=2), "b.")}
+    return save_sharded(tensors, tmp_path / "ckpt", [[k for k in tensors if k.startswith("a.")],
+                                                    [k for k in tensors if k.startswith("b.")]])
+
+
+# ------------------------------------------------------------------------------------ success
+
+
+def test_fold_prints_what_it_did(tmp_path, stock_file, capsys):
+    out_path = tmp_path / "slim.safetensors"
+    code, out, err = run(["fold", stock_file, out_path], capsys)
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        f"fold {stock_file} -> {out_path}: 2 of 2 attention modules changed",
+        "  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k",
+        "  enc.attn: drop the key slice of in_proj_bias",
+        f"wrote {out_path} (1 shard, 12 tensors, 2.25 KiB)",
+    ]
+    assert "dec.attn.q_proj_bias" in load_file(out_path)
+
+
+def test_verify_and_dry_run(tmp_path, stock_file, capsys):
+    code, out, err = run(["fold", stock_file, tmp_path / "slim.safetensors", "--verify", "--dry-run"], capsys)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[1].startswith("  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k [verified, error ")
+    assert lines[3].startswith("verified 2 modules: largest relative output error ")
+    assert lines[4] == (
+        f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 12 tensors, 2.25 KiB); nothing was written"
+    )
+    assert not (tmp_path / "slim.safetensors").exists()
+
+
+def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
+    code, out, err = run(["fold", stock_file, tmp_path / "slim.safetensors", "--quiet"], capsys)
+    assert (code, out, err) == (0, "", "")
+    assert (tmp_path / "slim.safetensors").exists()
+
+
+def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
+    tensors = {**prefixed(stock_attention(add_zero_attn=True), "dec.layers.0.attn."),
+               **prefixed(stock_attention(seed=3), "enc.attn.")}
+    save_file(tensors, tmp_path / "in.safetensors")
+    code, out, err = run(["fold", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
+                          "--zero-attn", "dec.layers.*.attn"], capsys)
+    assert (code, err) == (0, "")
+    assert "  dec.layers.0.attn: split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)" in out
+    code, out, err = run(["fold", tmp_path / "in.safetensors", tmp_path / "eval.safetensors",
+                          "--zero-attn", "dec.layers.*.attn", "--fold-value-bias"], capsys)
+    assert code == 1
+    assert err.startswith(f"{PROG} fold: error: {tmp_path / 'in.safetensors'}: fold cannot convert "
+                          "'dec.layers.0.attn' exactly: it is marked add_zero_attn, and the zero value token")
+    code, out, err = run(["to-stock", tmp_path / "slim.safetensors", tmp_path / "back.safetensors", "--verify"], capsys)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1].startswith(
+        "  dec.layers.0.attn: pack the input biases into in_proj_bias with the kept k_proj_bias [verified, error "
+    )
+
+
+def test_inspect_output(tmp_path, stock_file, capsys):
+    code, out, err = run(["inspect", stock_file], capsys)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == f"{stock_file}: 2 attention modules; 1 shard, 10 tensors, 2.31 KiB"
+    assert lines[1].startswith("dec.attn: stock, embed_dim=8, float32, key bias non-zero (max |b_k| ")
+    assert lines[1].endswith("), bias_k/bias_v yes, add_zero_attn no")
+    assert lines[2:6] == [
+        "  shapes:   in_proj_weight [24, 8], in_proj_bias [24], bias_k [1, 1, 8], bias_v [1, 1, 8], "
+        "out_proj.weight [8, 8], out_proj.bias [8]",
+        "  strip:    refuses: bias_k is present (use fold)",
+        "  fold:     drop the key slice of in_proj_bias, fold it into bias_k",
+        "  to-stock: nothing to do (already stock)",
+    ]
+
+
+# ------------------------------------------------------------------------------------ failures
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fold", "{tmp}/missing.safetensors", "{tmp}/out.safetensors"],
+         "{tmp}/missing.safetensors: no such file or directory"),
+        (["strip", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
+         "{tmp}/stock.safetensors: strip cannot convert 'dec.attn' exactly: bias_k is present ('dec.attn.bias_k' "
+         "in {tmp}/stock.safetensors), so dropping the key bias is not exact; use fold, which folds it into "
+         "bias_k; nothing was written"),
+        (["fold", "{tmp}/stock.safetensors", "{tmp}/stock.safetensors", "--force"],
+         "{tmp}/stock.safetensors: DST would overwrite the input {tmp}/stock.safetensors; write to another path"),
+        (["to-stock", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
+         "{tmp}/stock.safetensors: nothing to do: all 2 attention modules are already in the stock layout; "
+         "nothing was written"),
+        (["inspect", "{tmp}/stock.safetensors", "--zero-attn", "nope"],
+         "{tmp}/stock.safetensors: --zero-attn 'nope' matches no attention module; modules are named like "
+         "'dec.attn' (see inspect)"),
+    ],
+    ids=["missing", "strip_refuses", "same_path", "nothing_to_do", "zero_attn_typo"],
+)
+def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv, message):
+    command = argv[0]
+    code, out, err = run([arg.format(tmp=tmp_path) for arg in argv], capsys)
+    assert code == 1
+    assert out == ""
+    assert err == f"{PROG} {command}: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_existing_output_then_force(tmp_path, stock_file, capsys):
+    (tmp_path / "out.safetensors").write_bytes(b"x")
+    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert (code, err) == (1, f"{PROG} fold: error: {tmp_path / 'out.safetensors'}: already exists; pass --force to replace it\n")
+    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
+    assert (code, err) == (0, "")
+
+
+def test_truncated_file_error_is_one_line(tmp_path, stock_file, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(stock_file.read_bytes()[:-3])
+    code, out, err = run(["inspect", bad], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith(f"{PROG} inspect: error: {bad}: not a valid safetensors file (")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_bug_is_still_one_line(tmp_path, stock_file, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("unexpected\nthing")
+
+    monkeypatch.setattr(migrate_module, "find_attention_modules", broken)
+    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert (code, out) == (1, "")
+    assert err == f"{PROG} fold: internal error: TypeError: unexpected thing; nothing was written\n"
+
+
+def test_ctrl_c_exits_130(tmp_path, stock_file, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(migrate_module, "write_safetensors", interrupted)
+    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert (code, err) == (130, f"{PROG} fold: interrupted; nothing was written\n")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "the following arguments are required: {strip,fold,to-stock,inspect}"),
+        (["fold", "a.safetensors"], "the following arguments are required: DST"),
+        (["to-stock", "a.safetensors", "b.safetensors", "--fold-value-bias"], "unrecognized arguments: --fold-value-bias"),
+        (["inspect", "a.safetensors", "--force"], "unrecognized arguments: --force"),
+    ],
+    ids=["no_command", "no_dst", "to_stock_value_bias", "inspect_force"],
+)
+def test_usage_errors_exit_2(capsys, argv, fragment):
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].endswith(fragment)
+
+
+# ------------------------------------------------------------------------------------ help
+
+
+@pytest.mark.parametrize("command", ["strip", "fold", "to-stock", "inspect"])
+def test_every_subcommand_help_shows_real_examples(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    examples = out.split("examples:\n", 1)[1].splitlines()
+    assert examples and all(line.startswith(f"  {PROG} {command} ") for line in examples)
+
+
+def test_fold_value_bias_help_says_eval_only(capsys):
+    _, out, _ = run(["fold", "--help"], capsys)
+    assert "exact for inference (eval) only" in " ".join(out.split())
+
+
+def test_top_level_help_lists_the_subcommands(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for command in ("strip", "fold", "to-stock", "inspect"):
+        assert f"    {command} " in out
+
+
+# ------------------------------------------------------------------------------------ progress bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_for_sharded_input(tmp_path, sharded, capsys, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code, _, _ = run(["fold", sharded, tmp_path / "out"], capsys)
+    assert code == 0
+    assert "100%" in terminal.getvalue()
+
+
+def test_no_progress_bar_with_quiet_or_without_a_terminal(tmp_path, sharded, capsys, monkeypatch):
+    code, _, err = run(["fold", sharded, tmp_path / "plain"], capsys)  # captured stderr is not a TTY
+    assert (code, err) == (0, "")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code, _, _ = run(["fold", sharded, tmp_path / "quiet", "--quiet"], capsys)
+    assert code == 0 and terminal.getvalue() == ""
+
+
+def test_no_progress_bar_for_a_small_single_file_even_on_a_terminal(tmp_path, stock_file, capsys, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)[0] == 0
+    assert terminal.getvalue() == ""
+
+
+# ------------------------------------------------------------------------------------ real processes
+
+
+def _environment() -> dict[str, str]:
+    root = Path(__file__).resolve().parents[1]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_python_dash_m_migration(tmp_path, stock_file):
+    result = subprocess.run(
+        [sys.executable, "-m", "migration", "fold", str(stock_file), str(tmp_path / "slim.safetensors"), "--verify"],
+        capture_output=True, text=True, env=_environment(), timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines()[0] == (
+        f"fold {stock_file} -> {tmp_path / 'slim.safetensors'}: 2 of 2 attention modules changed"
+    )
+    assert "dec.attn.q_proj_bias" in load_file(tmp_path / "slim.safetensors")
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    script = shutil.which("slim-mha-migrate", path=os.path.dirname(sys.executable))
+    command = [script] if script else [sys.executable, "-m", "migration"]
+    result = subprocess.run(
+        [*command, "inspect", str(tmp_path / "missing.pt")], capture_output=True, text=True,
+        env=_environment(), timeout=120,
+    )
+    prog = PROG if script else "python -m migration"
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == f"{prog} inspect: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
