@@ -339,8 +339,24 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return q, k, v
 
     def _packed_bias(self) -> Tensor | None:
-        """``[b_q; b_k or 0; b_v or 0]`` for the fused matmul: one small cat, gradients only to real biases."""
-        packed, _ = unfold_key_bias(self._slim_biases(), embed_dim=self.embed_dim)
+        """``[b_q; b_k or 0; b_v or 0]`` for the fused matmul: gradients flow only to real biases.
+
+        Building it costs a few small ops per call, which is a sizeable share of a small layer's
+        inference time, so without a graph to record it is reused while the bias tensors are the
+        same objects at the same versions (in-place writes bump ``_version``).
+        """
+        biases = (self.q_proj_bias, self.k_proj_bias, self.v_proj_bias)
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(b is not None and b.requires_grad for b in biases)
+        ):
+            return self.in_proj_bias
+        versions = tuple(None if b is None else b._version for b in biases)
+        cached = self.__dict__.get("_packed_bias_cache")
+        if cached is not None and all(a is b for a, b in zip(cached[0], biases)) and cached[1] == versions:
+            return cached[2]
+        with torch.no_grad():
+            packed = self.in_proj_bias
+        self.__dict__["_packed_bias_cache"] = (biases, versions, packed)
         return packed
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -445,11 +461,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:
     """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
 
-    Splitting the last axis (not unbinding a 5-D view) makes the backward a single ``cat`` straight
-    into the projection's layout, instead of a ``stack`` followed by a permuting copy.
+    When a graph is recorded the last axis is split first, so that the backward is a single ``cat``
+    straight into the projection's layout (unbinding a 5-D view would backprop through a ``stack``
+    and a permuting copy). Without a graph, one view, one permute and one unbind are cheaper.
     """
     d0, d1, width = projected.shape
     head_dim = width // (parts * num_heads)
+    if not projected.requires_grad:
+        heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
+        return list(heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)).unbind(0))
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
     return [
         part.view(d0, d1, num_heads, head_dim).permute(order)  # (B, H, L, D)
@@ -465,6 +485,11 @@ def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
     return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
 
 
+# Above this size a fresh scores tensor costs more to allocate and first touch than a per-head loop
+# costs in extra calls (glibc maps allocations this large afresh; measured on the 2-core dev machine).
+_LARGE_SCORES_BYTES = 8 << 20
+
+
 def _attention_with_weights(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool
 ) -> tuple[Tensor, Tensor]:
@@ -478,7 +503,9 @@ def _attention_with_weights(
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
-    if average and not records_graph and dropout_p == 0.0:
+    B, H, L, _ = q.shape
+    large = B * H * L * k.shape[2] * q.element_size() >= _LARGE_SCORES_BYTES
+    if average and large and not records_graph and dropout_p == 0.0:
         return _attention_averaged_head_by_head(q, k, v, mask)
     scale = math.sqrt(1.0 / float(q.shape[-1]))
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, L, S)

@@ -627,3 +627,87 @@ def test_is_a_stock_subclass_and_keeps_stock_attributes():
     assert (slim.embed_dim, slim.kdim, slim.vdim, slim.num_heads, slim.head_dim) == (E, KDIM, VDIM, H, E // H)
     assert slim._qkv_same_embed_dim is False and slim.batch_first is True and slim.in_proj_weight is None
     assert "embed_dim=16, num_heads=4, batch_first=True" in repr(slim)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad"])
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_fully_masked_rows_match_stocks_python_path(mode, weights):
+    """A query row blocked from every key: NaN with weights, SDPA's zero attention without.
+
+    That is what stock's own Python path gives in every mode. Stock's native inference fast path
+    (eval, no grad) gives NaN without weights instead; slim keeps one answer for all modes.
+    """
+    case = Case(mode=mode, weights=weights)
+    stock, slim = build_pair(case)
+    stock.train()  # stock's Python path, which its native kernel does not follow here
+    inputs = make_inputs(case)
+    blocked = torch.zeros(L_TGT, L_TGT, dtype=torch.bool)
+    blocked[1] = True
+    inputs["attn_mask"] = blocked
+    expected = stock(**inputs)[0]
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        actual = slim(**inputs)[0]
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
+    assert torch.isnan(expected).any() == (weights != "none")
+    finite = ~torch.isnan(expected)
+    torch.testing.assert_close(actual[finite], expected[finite].detach(), atol=1e-10, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------ inference-only paths
+
+HEAD_BY_HEAD = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "inference_mode")))
+
+
+@pytest.mark.parametrize("kpm,attn_mask,appended,mode", HEAD_BY_HEAD)
+def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
+    """Large averaged-weights calls without a graph go head by head; force that path on small inputs."""
+    import slim_mha.attention
+
+    monkeypatch.setattr(slim_mha.attention, "_LARGE_SCORES_BYTES", 0)
+    if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
+        kpm = attn_mask.split("_")[1]
+    compare_with_stock(
+        Case(key_padding_mask=kpm, attn_mask=attn_mask, appended=appended, mode=mode, weights="averaged", kind="cross")
+    )
+
+
+def test_head_by_head_path_is_taken_above_the_threshold(monkeypatch):
+    import slim_mha.attention
+
+    calls = []
+    original = slim_mha.attention._attention_averaged_head_by_head
+    monkeypatch.setattr(
+        slim_mha.attention, "_attention_averaged_head_by_head", lambda *a: calls.append(1) or original(*a)
+    )
+    _, slim = stock_and_slim(batch_first=True)
+    small, large = torch.randn(1, 8, E), torch.randn(1, 1024, E)  # scores: 1 KiB and 16 MiB
+    with torch.no_grad():
+        slim(small, small, small)
+        assert calls == []
+        slim(large, large, large)
+        assert calls == [1]
+        slim(large, large, large, average_attn_weights=False)
+    assert calls == [1]
+
+
+def test_cached_packed_bias_follows_in_place_writes_and_replacement():
+    """Without a graph the packed [b_q; 0; b_v] is reused; writes to the biases must still show."""
+    stock, slim = stock_and_slim(batch_first=True)
+    stock.eval(), slim.eval()
+    x = torch.randn(BATCH, L_TGT, E)
+
+    def assert_same():
+        with torch.no_grad():
+            torch.testing.assert_close(slim(x, x, x)[0], stock(x, x, x)[0], atol=1e-5, rtol=1e-5)
+
+    assert_same()
+    with torch.no_grad():
+        slim.q_proj_bias.add_(1.0), stock.in_proj_bias[:E].add_(1.0)
+        slim.v_proj_bias.mul_(-2.0), stock.in_proj_bias[2 * E :].mul_(-2.0)
+    assert_same()
+    new_bias = torch.randn(3 * E)
+    slim.in_proj_bias = nn.Parameter(new_bias.clone())
+    stock.in_proj_bias = nn.Parameter(new_bias.clone())
+    assert_same()
+    slim.load_state_dict(stock.state_dict())
+    assert_same()
