@@ -292,7 +292,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
 
-        out = F.linear(_merge_heads(out, batch_first), self.out_proj.weight, self.out_proj.bias)
+        out = _merge_heads(out, batch_first)
+        del q, k, v, mask  # free the projections before the output projection allocates: lower peak
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if not is_batched:
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
@@ -486,9 +488,10 @@ def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
 
 
 # Scores above this size are computed a group of heads at a time, each group's at most this size:
-# a fresh tensor this large costs more to allocate, first-touch and stream through the caches than
-# the extra calls of a loop (measured on the 2-core dev machine, where glibc maps >= 32 MiB afresh).
-_SCORES_GROUP_BYTES = 8 << 20
+# it keeps peak memory below stock's, and a fresh large tensor costs more to allocate, first-touch
+# and stream through the caches than the loop's extra calls (measured on the 2-core dev machine,
+# where glibc maps allocations of 32 MiB and more afresh on every call).
+_SCORES_GROUP_BYTES = 2 << 20
 
 
 def _attention_with_weights(
@@ -499,7 +502,7 @@ def _attention_with_weights(
     Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged over heads or
     ``(B, H, L, S)``. The ``(B, H, L, S)`` scores are the one large tensor here and allocating it
     dominates on CPU, so the mask and (with no graph recorded) the softmax work in place, and
-    averaged weights without a graph are computed a group of heads (at most 8 MiB of scores) at a time.
+    averaged weights without a graph are computed a group of heads (at most 2 MiB of scores) at a time.
     """
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
@@ -526,11 +529,12 @@ def _attention_averaged_in_head_groups(
     ``group`` heads at a time, so the full ``(B, H, L, S)`` scores never exist at once."""
     B, H, L, D = q.shape
     scale = math.sqrt(1.0 / float(D))
+    q_scaled = q * scale
     out = q.new_empty(B, L, H, D)  # the layout _merge_heads flattens for free
     total = q.new_zeros(B, L, k.shape[2])
     for start in range(0, H, group):
         heads = slice(start, start + group)
-        scores = torch.matmul(q[:, heads] * scale, k[:, heads].transpose(-2, -1))  # (B, g, L, S)
+        scores = torch.matmul(q_scaled[:, heads], k[:, heads].transpose(-2, -1))  # (B, g, L, S)
         if mask is not None:
             scores.add_(_mask_of_heads(mask, heads))
         torch.softmax(scores, dim=-1, out=scores)

@@ -687,15 +687,16 @@ def test_head_groups_are_used_only_above_the_group_size(monkeypatch):
         lambda *args: groups.append(args[-1]) or original(*args),
     )
     _, slim = stock_and_slim(batch_first=True)
-    small, large = torch.randn(1, 8, E), torch.randn(1, 2048, E)  # scores: 1 KiB and 4 x 16 MiB
+    small, large = torch.randn(1, 8, E), torch.randn(1, 1024, E)  # scores: 1 KiB and 4 x 4 MiB
     with torch.no_grad():
         slim(small, small, small)
         assert groups == []
         slim(large, large, large)
-        assert groups == [1]  # one 16 MiB head exceeds the 8 MiB group size already
+        assert groups == [1]  # one 4 MiB head exceeds the 2 MiB group size already
         slim(large, large, large, average_attn_weights=False)
-        slim(large[:, :512], large[:, :512], large[:, :512])  # 1 MiB per head: groups of 8 >= 4 heads
-    assert groups == [1]
+        slim(large[:, :512], large[:, :512], large[:, :512])  # 1 MiB per head: groups of 2
+        slim(large[:, :256], large[:, :256], large[:, :256])  # 4 x 256 KiB fit in one group
+    assert groups == [1, 2]
 
 
 def test_cached_packed_bias_follows_in_place_writes_and_replacement():

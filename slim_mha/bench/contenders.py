@@ -1,0 +1,197 @@
+"""The three contenders of a case, built on the same weights and inputs.
+
+* ``stock``: ``nn.MultiheadAttention(batch_first=True)`` with random weights and biases (key bias
+  included). In inference it runs under ``eval()`` and ``torch.inference_mode()``, so it takes its
+  native fast path (``aten::_native_multi_head_attention``) whenever it is eligible (self-attention,
+  even head count): that is the honest baseline. Which path it took is recorded per case.
+* ``slim``: ``SlimMultiheadAttention`` loaded from stock's state dict (the key bias is folded away).
+* ``floor``: the bare computation written out by hand, in batch-first layout, with no module, no
+  argument checks and no masks: the input-projection matmul, the attention, the output-projection
+  matmul. Without weights the attention is ``F.scaled_dot_product_attention``. With
+  ``need_weights=True`` it is the explicit path: ``softmax((q / sqrt(D)) kᵀ)``, its product with
+  ``v``, and the head-averaged weights (softmax in place when no graph is recorded). In training the
+  floor's parameters are leaf tensors and its backward is timed with it.
+
+Every contender's step is the same call: forward in inference; forward then
+``out.backward(grad_out)`` in training (the returned weights are not differentiated).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import SlimMultiheadAttention
+from .cases import DTYPES, Case
+
+__all__ = ["CONTENDERS", "Contender", "build_contenders", "equivariance_support", "output_error"]
+
+CONTENDERS = ("stock", "slim", "floor")
+
+
+@dataclass
+class Contender:
+    """One way of computing a case: ``step`` is what is timed, ``reset`` runs untimed before each step."""
+
+    name: str
+    step: Callable[[], None]
+    forward: Callable[[], tuple[Tensor, Tensor | None]]
+    parameters: list[Tensor]
+    reset: Callable[[], None]
+    # Tensors that belong to the caller (inputs) rather than to the step's own activations.
+    external: list[Tensor] = field(default_factory=list)
+
+
+def equivariance_support() -> str | None:
+    """``None`` when slim has the equivariance assertion mode, else a note saying why it is skipped."""
+    probe = SlimMultiheadAttention(8, 2)
+    if hasattr(probe, "check_equivariance"):
+        return None
+    return (
+        "train-equivariance skipped: this SlimMultiheadAttention has no `check_equivariance` "
+        "attribute yet (the equivariance assertion mode is not in this build)"
+    )
+
+
+def _set_equivariance_check(module: SlimMultiheadAttention, on: bool, every: int | None) -> None:
+    """On for the equivariance mode; explicitly off otherwise, so neither ``SLIM_MHA_CHECK_EQUIVARIANCE``
+    nor an enclosing ``checking_equivariance()`` scope can switch it on behind the benchmark's back."""
+    if not hasattr(module, "check_equivariance"):
+        return
+    module.check_equivariance = on
+    if on and every is not None and hasattr(module, "check_equivariance_every"):
+        module.check_equivariance_every = every
+
+
+def _stock_module(case: Case, device: torch.device, dtype: torch.dtype) -> nn.MultiheadAttention:
+    stock = nn.MultiheadAttention(case.embed_dim, case.num_heads, batch_first=True, device=device, dtype=dtype)
+    with torch.no_grad():  # trained-looking biases, the key slice included, so dropping it is tested
+        stock.in_proj_bias.normal_(std=0.1)
+        stock.out_proj.bias.normal_(std=0.1)
+    return stock
+
+
+def _floor_forward(
+    query: Tensor,
+    memory: Tensor | None,
+    in_weight: Tensor,
+    in_bias: Tensor,
+    out_weight: Tensor,
+    out_bias: Tensor,
+    num_heads: int,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The bare attention layer; ``memory=None`` means self-attention. Returns ``(B, L, E)`` and weights."""
+    batch, length, width = query.shape
+    head_dim = width // num_heads
+    if memory is None:
+        q, k, v = F.linear(query, in_weight, in_bias).split(width, dim=-1)  # 3 x (B, L, E)
+    else:
+        q = F.linear(query, in_weight[:width], in_bias[:width])  # (B, L, E)
+        k, v = F.linear(memory, in_weight[width:], in_bias[width:]).split(width, dim=-1)  # 2 x (B, S, E)
+    q = q.view(batch, length, num_heads, head_dim).transpose(1, 2)  # (B, H, L, D)
+    k = k.view(batch, k.shape[1], num_heads, head_dim).transpose(1, 2)  # (B, H, S, D)
+    v = v.view(batch, v.shape[1], num_heads, head_dim).transpose(1, 2)  # (B, H, S, D)
+    if need_weights:
+        scores = torch.matmul(q * (1.0 / math.sqrt(head_dim)), k.transpose(-2, -1))  # (B, H, L, S)
+        if scores.requires_grad:
+            weights = torch.softmax(scores, dim=-1)
+        else:
+            weights = torch.softmax(scores, dim=-1, out=scores)
+        out = torch.matmul(weights, v)  # (B, H, L, D)
+        averaged = weights.mean(dim=1)  # (B, L, S)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+        averaged = None
+    out = out.transpose(1, 2).reshape(batch, length, width)  # (B, L, E)
+    return F.linear(out, out_weight, out_bias), averaged
+
+
+def _clear_grads(tensors: list[Tensor]) -> Callable[[], None]:
+    def reset() -> None:
+        for tensor in tensors:
+            tensor.grad = None
+
+    return reset
+
+
+def build_contenders(
+    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None
+) -> dict[str, Contender]:
+    """Stock, slim and floor for ``case``, sharing weights (up to slim's exact key-bias fold) and inputs."""
+    dtype = DTYPES[case.dtype]
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    torch.manual_seed(seed)
+    stock = _stock_module(case, device, dtype)
+    slim = SlimMultiheadAttention(case.embed_dim, case.num_heads, batch_first=True, device=device, dtype=dtype)
+    slim.load_state_dict(stock.state_dict())
+    _set_equivariance_check(slim, case.mode == "train-equivariance", equivariance_every)
+    for module in (stock, slim):
+        module.train(case.trains)
+
+    def draw(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    batch, length, width, _ = case.shape
+    query = draw(batch, length, width).requires_grad_(case.trains)
+    memory = draw(batch, length, width).requires_grad_(case.trains) if case.attention == "cross" else None
+    inputs = [query] if memory is None else [query, memory]
+    key = query if memory is None else memory
+    grad_out = draw(batch, length, width)
+
+    floor_parameters = [
+        tensor.detach().clone().requires_grad_(case.trains)
+        for tensor in (stock.in_proj_weight, slim.in_proj_bias, stock.out_proj.weight, stock.out_proj.bias)
+    ]
+
+    def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        if name == "floor":
+            return lambda: _floor_forward(query, memory, *floor_parameters, case.num_heads, case.need_weights)
+        module = stock if name == "stock" else slim
+        return lambda: module(query, key, key, need_weights=case.need_weights)
+
+    contenders = {}
+    for name in CONTENDERS:
+        forward = forward_of(name)
+        parameters = floor_parameters if name == "floor" else list((stock if name == "stock" else slim).parameters())
+        contenders[name] = Contender(
+            name=name,
+            step=_training_step(forward, grad_out) if case.trains else _inference_step(forward),
+            forward=forward,
+            parameters=parameters,
+            reset=_clear_grads(parameters + inputs) if case.trains else (lambda: None),
+            external=inputs + [grad_out],
+        )
+    return contenders
+
+
+def _inference_step(forward: Callable[[], tuple[Tensor, Tensor | None]]) -> Callable[[], None]:
+    def step() -> None:
+        with torch.inference_mode():
+            forward()
+
+    return step
+
+
+def _training_step(forward: Callable[[], tuple[Tensor, Tensor | None]], grad_out: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        out, _ = forward()
+        out.backward(grad_out)
+
+    return step
+
+
+def output_error(reference: tuple[Tensor, Tensor | None], other: tuple[Tensor, Tensor | None]) -> float:
+    """Largest relative error ``‖a − b‖ / ‖a‖`` over the output and, when present, the weights."""
+    errors = []
+    for expected, actual in zip(reference, other):
+        if expected is None or actual is None:
+            continue
+        expected, actual = expected.detach().double(), actual.detach().double()
+        errors.append(((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item())
+    return max(errors) if errors else 0.0

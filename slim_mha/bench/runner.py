@@ -1,0 +1,194 @@
+"""Running one case: check the contenders agree, measure their memory, then time them interleaved."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from .cases import Case
+from .contenders import CONTENDERS, build_contenders, output_error
+from .memory import (
+    adam_state_bytes,
+    parameter_bytes,
+    profile_step,
+    saved_tensor_bytes,
+    took_native_fast_path,
+    top_ops,
+)
+from .timing import Settings, measure
+
+__all__ = ["TOLERANCE", "describe_environment", "run_case"]
+
+# Relative error ‖slim − stock‖ / ‖stock‖ above which a case is flagged: the two compute the same
+# function, so anything past a few roundings of the dtype is a bug, not noise.
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 5e-3}
+
+_adam_cache: dict[tuple, int] = {}
+
+
+def _state_bytes(case: Case, name: str, parameters) -> int:
+    key = (case.embed_dim, case.dtype, name, str(parameters[0].device))
+    if key not in _adam_cache:
+        _adam_cache[key] = adam_state_bytes(parameters)
+    return _adam_cache[key]
+
+
+def run_case(
+    case: Case,
+    device: torch.device,
+    settings: Settings,
+    *,
+    equivariance_every: int | None = None,
+    profile_ops: bool = False,
+) -> dict:
+    """Everything measured for one case, as a JSON-ready dict."""
+    load_before, started = _load_average(), time.perf_counter()
+    contenders = build_contenders(case, device, seed=settings.seed, equivariance_every=equivariance_every)
+    errors = _relative_errors(case, contenders)
+    memory, stock_ops = _measure_memory(case, contenders, device)
+    timings = measure({name: (c.step, c.reset) for name, c in contenders.items()}, device, settings)
+    samples = {name: timings[name].samples_ms for name in CONTENDERS}
+    profile = {name: top_ops(c.step, c.reset) for name, c in contenders.items()} if profile_ops else None
+    return {
+        "case": case.as_dict(),
+        "name": case.name,
+        "target_shape": case.is_target,
+        "stock_path": "native fast path" if took_native_fast_path(stock_ops) else "python path",
+        "relative_error": errors,
+        "agrees": errors["slim"] <= TOLERANCE[case.dtype] and errors["floor"] <= TOLERANCE[case.dtype],
+        "time": {name: summary.as_dict() for name, summary in timings.items()},
+        # Each ratio is the median over repeats of the ratio within one repeat: the contenders of a
+        # repeat ran back to back, so drift and bursts of load from other processes cancel in it.
+        "ratios": {
+            "stock_over_slim": _paired_ratio(samples["stock"], samples["slim"]),
+            "slim_over_floor": _paired_ratio(samples["slim"], samples["floor"]),
+            "stock_over_floor": _paired_ratio(samples["stock"], samples["floor"]),
+        },
+        "ratio_spread": {
+            "stock_over_slim": _paired_quartiles(samples["stock"], samples["slim"]),
+            "slim_over_floor": _paired_quartiles(samples["slim"], samples["floor"]),
+        },
+        "memory": memory,
+        "profile": profile,
+        # 1-minute load average before and after: above the core count, other processes shared the
+        # CPU and the timings are noisier (interleaving keeps the ratios fair, not the spread small).
+        "load_average": [load_before, _load_average()],
+        "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def _paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def _paired_quartiles(numerator: list[float], denominator: list[float]) -> list[float]:
+    """First and third quartiles of the per-repeat ratios."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]
+
+
+def _relative_errors(case: Case, contenders: dict) -> dict[str, float]:
+    """Slim's and the floor's relative error against stock, from one untimed call each."""
+    outputs = {}
+    for name, contender in contenders.items():
+        contender.reset()
+        if case.trains:
+            outputs[name] = contender.forward()
+        else:
+            with torch.inference_mode():
+                outputs[name] = contender.forward()
+    return {name: output_error(outputs["stock"], outputs[name]) for name in ("slim", "floor")}
+
+
+def _measure_memory(case: Case, contenders: dict, device: torch.device) -> tuple[dict, list[str]]:
+    """Per contender: peak, allocated and saved bytes, aten calls, parameter and Adam bytes; stock's ops."""
+    memory, stock_ops = {}, []
+    for name, contender in contenders.items():
+        contender.reset()
+        profiled = profile_step(contender.step, device)
+        if name == "stock":
+            stock_ops = profiled.op_names
+        contender.reset()
+        saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if case.trains else None
+        contender.reset()
+        memory[name] = {
+            "peak_bytes": profiled.peak_bytes,
+            "allocated_bytes": profiled.allocated_bytes,
+            "aten_calls": profiled.op_calls,
+            "saved_bytes": saved,
+            "parameter_bytes": parameter_bytes(contender.parameters),
+            "adam_state_bytes": _state_bytes(case, name, contender.parameters),
+        }
+    return memory, stock_ops
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_commit() -> str | None:
+    """``HEAD``'s short hash, with ``+dirty`` when the package differs from it; ``None`` outside git."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
+        return None
+    changes = _git("status", "--porcelain", "--untracked-files=no", "--", str(Path(__file__).resolve().parents[1]))
+    dirty = changes is not None and bool(changes.stdout.strip())
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def describe_environment(device: torch.device) -> dict:
+    environment = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "slim_mha": __version__,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device.type,
+        "device_name": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+    }
+    if device.type == "cuda":
+        environment.update(
+            device_name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+            matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
+        )
+    return environment

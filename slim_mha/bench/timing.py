@@ -1,0 +1,135 @@
+"""Interleaved timing: every repeat times each contender once, in a fresh random order.
+
+Round-robin repeats put the three contenders under the same drift (thermal state, a noisy
+neighbour, the allocator's state), and shuffling the order within a repeat cancels the advantage
+of always running first or last. A sample is ``inner`` consecutive calls, each timed on its own so
+that the untimed ``reset`` (clearing gradients) can run between them; ``inner`` is chosen once per
+case so that a sample lasts at least ``min_sample_s``. On CUDA each call is bracketed by CUDA events
+and the sample is read after one synchronize; on CPU by ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Settings", "Summary", "measure", "summarize"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int = 15
+    min_repeats: int = 5
+    warmup: int = 2
+    min_sample_s: float = 0.02
+    max_case_s: float = 6.0  # stop adding repeats (past min_repeats) once a case has run this long
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Per-call times in milliseconds over the repeats."""
+
+    median_ms: float
+    q1_ms: float
+    q3_ms: float
+    min_ms: float
+    max_ms: float
+    samples_ms: list[float]
+    calls_per_sample: int
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median."""
+        return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "median_ms": self.median_ms,
+            "q1_ms": self.q1_ms,
+            "q3_ms": self.q3_ms,
+            "min_ms": self.min_ms,
+            "max_ms": self.max_ms,
+            "iqr_over_median": self.spread,
+            "calls_per_sample": self.calls_per_sample,
+            "samples_ms": self.samples_ms,
+        }
+
+
+def summarize(samples_s: list[float], calls_per_sample: int) -> Summary:
+    ms = [sample * 1e3 for sample in samples_s]
+    if len(ms) >= 2:
+        q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+    else:
+        q1 = q3 = ms[0]
+    return Summary(statistics.median(ms), q1, q3, min(ms), max(ms), ms, calls_per_sample)
+
+
+class _Clock:
+    """Seconds spent in ``step`` over a sample of calls, on the device that runs them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sample(self, step: Callable[[], None], reset: Callable[[], None], calls: int) -> float:
+        if self.cuda:
+            pairs = []
+            for _ in range(calls):
+                reset()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                pairs.append((start, end))
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in pairs) / 1e3
+        total = 0.0
+        for _ in range(calls):
+            reset()
+            begin = time.perf_counter()
+            step()
+            total += time.perf_counter() - begin
+        return total
+
+
+def measure(
+    contenders: dict[str, tuple[Callable[[], None], Callable[[], None]]],
+    device: torch.device,
+    settings: Settings,
+) -> dict[str, Summary]:
+    """Time ``{name: (step, reset)}`` interleaved; returns per-call summaries by name."""
+    clock = _Clock(device)
+    order = list(contenders)
+    shuffle = random.Random(settings.seed)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside one contender's sample is drift that interleaving cannot cancel
+    try:
+        first_calls = {name: [] for name in order}
+        for _ in range(max(1, settings.warmup)):
+            for name in order:
+                step, reset = contenders[name]
+                first_calls[name].append(clock.sample(step, reset, 1))
+        slowest_call = max(min(times) for times in first_calls.values())
+        calls = max(1, math.ceil(settings.min_sample_s / max(slowest_call, 1e-9)))
+
+        samples = {name: [] for name in order}
+        started = time.perf_counter()
+        for repeat in range(settings.repeats):
+            shuffle.shuffle(order)
+            for name in order:
+                step, reset = contenders[name]
+                samples[name].append(clock.sample(step, reset, calls) / calls)
+            out_of_time = time.perf_counter() - started > settings.max_case_s
+            if out_of_time and repeat + 1 >= settings.min_repeats:
+                break
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: summarize(samples[name], calls) for name in contenders}

@@ -1,0 +1,123 @@
+"""Smoke tests of the benchmark's real entry points on tiny shapes: output shape, never timings."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from slim_mha.bench import __main__ as bench
+from slim_mha.bench import correctness
+from slim_mha.bench.cases import TARGET_SHAPES, build_matrix
+
+TINY = ["--shape", "2x16x32x4", "--repeats", "2", "--warmup", "1", "--min-sample-ms", "0", "--device", "cpu"]
+
+
+def run_bench(capsys, tmp_path, *extra: str) -> tuple[dict, str]:
+    path = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--json", str(path), *extra]) == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
+    payload, out = run_bench(capsys, tmp_path, "--mode", "inference,train", "--no-plot")
+
+    assert len(payload["cases"]) == 2 * 2 * 2  # modes x attention kinds x need_weights
+    for key in ("torch", "device_name", "torch_threads", "date"):
+        assert payload["environment"][key]
+    for result in payload["cases"]:
+        assert result["agrees"], result["relative_error"]
+        assert set(result["time"]) == {"stock", "slim", "floor"}
+        for timing in result["time"].values():
+            assert len(timing["samples_ms"]) == 2 and timing["median_ms"] > 0
+        assert set(result["ratios"]) == {"stock_over_slim", "slim_over_floor", "stock_over_floor"}
+        slim_memory = result["memory"]["slim"]
+        assert slim_memory["parameter_bytes"] < result["memory"]["stock"]["parameter_bytes"]  # no key bias
+        assert slim_memory["adam_state_bytes"] > 0
+        assert (slim_memory["saved_bytes"] is None) == (result["case"]["mode"] == "inference")
+    stock_paths = {r["stock_path"] for r in payload["cases"] if r["case"]["mode"] == "inference"}
+    assert "native fast path" in stock_paths  # eval self-attention must hit stock's fast path
+    assert {check["target"].split(":")[0] for check in payload["targets"]} >= {"every case"}
+
+    assert "stock/slim" in out and "slim/floor" in out and "Targets:" in out
+    assert "train  " in out and "cross" in out
+
+
+def test_plot_is_skipped_with_a_note_without_matplotlib(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    payload, out = run_bench(capsys, tmp_path, "--mode", "inference", "--attention", "self", "--need-weights", "false")
+    assert "plot skipped: matplotlib is not installed" in out
+    assert any("plot skipped" in note for note in payload["notes"])
+
+
+def test_plot_is_drawn_over_sequence_lengths(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "speedup.png"
+    run_bench(
+        capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference", "--attention", "self",
+        "--need-weights", "false", "--plot", str(plot),
+    )
+    assert plot.stat().st_size > 0
+
+
+def test_missing_equivariance_mode_is_skipped_with_a_note(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "equivariance_support", lambda: "train-equivariance skipped: not in this build")
+    payload, out = run_bench(capsys, tmp_path, "--mode", "train,train-equivariance", "--attention", "self",
+                             "--need-weights", "false", "--no-plot")
+    assert [result["case"]["mode"] for result in payload["cases"]] == ["train"]
+    assert "train-equivariance skipped" in out
+
+
+def test_quick_matrix_holds_the_target_shapes_in_every_mode():
+    cases = build_matrix(device="cpu", dtypes=["fp32"])
+    for shape in TARGET_SHAPES:
+        for mode in ("inference", "train"):
+            assert {case.need_weights for case in cases if case.shape == shape and case.mode == mode} == {False, True}
+    assert {case.attention for case in cases} == {"self", "cross"}
+    assert max(case.seq_len for case in cases) <= 1024
+
+
+def test_dry_run_lists_cases(capsys):
+    assert bench.main(["--device", "cpu", "--full", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "cases on cpu" in out and "B=4   L=512  E=512  H=8" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--shape", "8x128x256"], "--shape: shape '8x128x256' must be four positive integers"),
+        (["--shape", "2x8x30x4"], "embed_dim 30 must be divisible by num_heads 4"),
+        (["--dtype", "fp8"], "--dtype: unknown 'fp8'"),
+        (["--mode", "training"], "--mode: unknown 'training'"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+    ],
+)
+def test_bad_options_are_parser_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_correctness_check_passes_on_cpu(capsys, tmp_path):
+    path = tmp_path / "correctness.json"
+    assert correctness.main(["--device", "cpu", "--sweep", "4", "--limit", "24", "--json", str(path)]) == 0
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["configurations"] == 24 and summary["failed"] == 0
+    assert "24/24 configurations pass" in capsys.readouterr().out
+
+
+def test_correctness_check_fails_on_a_wrong_module(capsys, monkeypatch):
+    """The checker must be able to fail: slim with its output bias zeroed is not stock."""
+    original = correctness._modules
+
+    def broken(config, device):
+        stock, slim, reference = original(config, device)
+        slim.out_proj.bias.data.zero_()
+        return stock, slim, reference
+
+    monkeypatch.setattr(correctness, "_modules", broken)
+    assert correctness.main(["--device", "cpu", "--sweep", "0", "--limit", "3"]) == 1
+    assert "FAIL" in capsys.readouterr().out
