@@ -487,11 +487,12 @@ def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
     return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
 
 
-# Scores above this size are computed a group of heads at a time, each group's at most this size:
-# it keeps peak memory below stock's, and a fresh large tensor costs more to allocate, first-touch
-# and stream through the caches than the loop's extra calls (measured on the 2-core dev machine,
-# where glibc maps allocations of 32 MiB and more afresh on every call).
-_SCORES_GROUP_BYTES = 2 << 20
+# Averaged weights over scores of at least this size are computed one head at a time, into one
+# reused (B, L, S) buffer: peak memory stays below stock's, and a fresh large tensor costs more to
+# allocate, first-touch and stream through the caches than the loop's extra calls (measured on the
+# 2-core dev machine, where glibc maps allocations of 32 MiB and more afresh on every call). Below
+# it, the per-head calls' Python overhead would dominate.
+_LARGE_SCORES_BYTES = 1 << 20
 
 
 def _attention_with_weights(
@@ -502,15 +503,15 @@ def _attention_with_weights(
     Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged over heads or
     ``(B, H, L, S)``. The ``(B, H, L, S)`` scores are the one large tensor here and allocating it
     dominates on CPU, so the mask and (with no graph recorded) the softmax work in place, and
-    averaged weights without a graph are computed a group of heads (at most 2 MiB of scores) at a time.
+    averaged weights without a graph are computed one head at a time into one ``(B, L, S)`` buffer.
     """
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
     B, H, L, _ = q.shape
-    heads_per_group = _SCORES_GROUP_BYTES // (B * L * k.shape[2] * q.element_size())
-    if average and heads_per_group < H and not records_graph and dropout_p == 0.0:
-        return _attention_averaged_in_head_groups(q, k, v, mask, max(1, heads_per_group))
+    large = B * H * L * k.shape[2] * q.element_size() >= _LARGE_SCORES_BYTES
+    if average and large and not records_graph and dropout_p == 0.0:
+        return _attention_averaged_head_by_head(q, k, v, mask)
     scale = math.sqrt(1.0 / float(q.shape[-1]))
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, L, S)
     if mask is not None:
@@ -522,29 +523,27 @@ def _attention_with_weights(
     return out, weights.mean(dim=1) if average else weights
 
 
-def _attention_averaged_in_head_groups(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, group: int
+def _attention_averaged_head_by_head(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """The no-graph, no-dropout case of :func:`_attention_with_weights` with averaged weights,
-    ``group`` heads at a time, so the full ``(B, H, L, S)`` scores never exist at once."""
+    """The no-graph, no-dropout case of :func:`_attention_with_weights` with averaged weights."""
     B, H, L, D = q.shape
     scale = math.sqrt(1.0 / float(D))
-    q_scaled = q * scale
     out = q.new_empty(B, L, H, D)  # the layout _merge_heads flattens for free
     total = q.new_zeros(B, L, k.shape[2])
-    for start in range(0, H, group):
-        heads = slice(start, start + group)
-        scores = torch.matmul(q_scaled[:, heads], k[:, heads].transpose(-2, -1))  # (B, g, L, S)
+    scores = torch.empty_like(total)  # (B, L, S), reused by every head
+    for head in range(H):
+        torch.matmul(q[:, head] * scale, k[:, head].transpose(-2, -1), out=scores)
         if mask is not None:
-            scores.add_(_mask_of_heads(mask, heads))
+            scores.add_(_mask_of_head(mask, head))
         torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, heads] = torch.matmul(scores, v[:, heads]).transpose(1, 2)  # (B, L, g, D)
-        total.add_(scores.sum(dim=1))
+        out[:, :, head] = torch.matmul(scores, v[:, head])
+        total.add_(scores)
     return out.transpose(1, 2), total.div_(H)  # (B, H, L, D), (B, L, S)
 
 
-def _mask_of_heads(mask: Tensor, heads: slice) -> Tensor:
-    """The part of a mask broadcastable to ``(B, H, L, S)`` that applies to some heads."""
-    if mask.dim() < 4 or mask.shape[1] == 1:
+def _mask_of_head(mask: Tensor, head: int) -> Tensor:
+    """The slice of a mask broadcastable to ``(B, H, L, S)`` that applies to one head."""
+    if mask.dim() < 4:
         return mask
-    return mask[:, heads]
+    return mask[:, head if mask.shape[1] > 1 else 0]

@@ -655,20 +655,15 @@ def test_fully_masked_rows_match_stocks_python_path(mode, weights):
 
 # ------------------------------------------------------------------------------ inference-only paths
 
-HEAD_GROUPS = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "inference_mode"), (1, 3)))
+HEAD_BY_HEAD = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "inference_mode")))
 
 
-@pytest.mark.parametrize("kpm,attn_mask,appended,mode,group_heads", HEAD_GROUPS)
-def test_averaged_weights_in_head_groups_match_stock(monkeypatch, kpm, attn_mask, appended, mode, group_heads):
-    """Large averaged-weights calls without a graph go a group of heads at a time; force that here.
-
-    Groups of 1 and of 3 heads (which does not divide the 4 heads) cover every split of the masks.
-    """
+@pytest.mark.parametrize("kpm,attn_mask,appended,mode", HEAD_BY_HEAD)
+def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
+    """Large averaged-weights calls without a graph go head by head; force that path on small inputs."""
     import slim_mha.attention
 
-    src_len = S_SRC + {"none": 0, "bias_kv": 1, "zero_attn": 1, "both": 2}[appended]
-    scores_per_head = BATCH * L_TGT * src_len * 8  # float64
-    monkeypatch.setattr(slim_mha.attention, "_SCORES_GROUP_BYTES", group_heads * scores_per_head)
+    monkeypatch.setattr(slim_mha.attention, "_LARGE_SCORES_BYTES", 0)
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(
@@ -676,27 +671,23 @@ def test_averaged_weights_in_head_groups_match_stock(monkeypatch, kpm, attn_mask
     )
 
 
-def test_head_groups_are_used_only_above_the_group_size(monkeypatch):
+def test_head_by_head_path_is_taken_above_the_threshold(monkeypatch):
     import slim_mha.attention
 
-    groups = []
-    original = slim_mha.attention._attention_averaged_in_head_groups
+    calls = []
+    original = slim_mha.attention._attention_averaged_head_by_head
     monkeypatch.setattr(
-        slim_mha.attention,
-        "_attention_averaged_in_head_groups",
-        lambda *args: groups.append(args[-1]) or original(*args),
+        slim_mha.attention, "_attention_averaged_head_by_head", lambda *a: calls.append(1) or original(*a)
     )
     _, slim = stock_and_slim(batch_first=True)
-    small, large = torch.randn(1, 8, E), torch.randn(1, 1024, E)  # scores: 1 KiB and 4 x 4 MiB
+    small, large = torch.randn(1, 8, E), torch.randn(1, 512, E)  # scores: 1 KiB and 4 MiB
     with torch.no_grad():
         slim(small, small, small)
-        assert groups == []
+        assert calls == []
         slim(large, large, large)
-        assert groups == [1]  # one 4 MiB head exceeds the 2 MiB group size already
+        assert calls == [1]
         slim(large, large, large, average_attn_weights=False)
-        slim(large[:, :512], large[:, :512], large[:, :512])  # 1 MiB per head: groups of 2
-        slim(large[:, :256], large[:, :256], large[:, :256])  # 4 x 256 KiB fit in one group
-    assert groups == [1, 2]
+    assert calls == [1]
 
 
 def test_cached_packed_bias_follows_in_place_writes_and_replacement():
