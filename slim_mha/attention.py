@@ -316,29 +316,26 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
             )
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool) -> list[Tensor]:
         """Input projections, fused as far as the inputs allow; returns ``(B, H, len, D)`` views."""
         E = self.embed_dim
+
+        def heads(x: Tensor, weight: Tensor, bias: Tensor | None) -> list[Tensor]:
+            parts = weight.shape[0] // E
+            return _split_heads(F.linear(x, weight, bias), parts, self.num_heads, batch_first)
+
         bias = self._packed_bias()
+        b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
-            b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
-            return (
-                _split_heads(F.linear(query, self.q_proj_weight, b_q), 1, self.num_heads, batch_first)[0],
-                _split_heads(F.linear(key, self.k_proj_weight, b_k), 1, self.num_heads, batch_first)[0],
-                _split_heads(F.linear(value, self.v_proj_weight, b_v), 1, self.num_heads, batch_first)[0],
+            return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, b_k) + heads(
+                value, self.v_proj_weight, b_v
             )
         weight = self.in_proj_weight
         if query is key and key is value:  # self-attention: one matmul
-            return _split_heads(F.linear(query, weight, bias), 3, self.num_heads, batch_first)
-        b_q, b_kv = bias.split([E, 2 * E]) if bias is not None else (None, None)
-        (q,) = _split_heads(F.linear(query, weight[:E], b_q), 1, self.num_heads, batch_first)
+            return heads(query, weight, bias)
         if key is value:  # encoder-decoder attention: one matmul for keys and values
-            k, v = _split_heads(F.linear(key, weight[E:], b_kv), 2, self.num_heads, batch_first)
-            return q, k, v
-        b_k, b_v = b_kv.chunk(2) if b_kv is not None else (None, None)
-        (k,) = _split_heads(F.linear(key, weight[E : 2 * E], b_k), 1, self.num_heads, batch_first)
-        (v,) = _split_heads(F.linear(value, weight[2 * E :], b_v), 1, self.num_heads, batch_first)
-        return q, k, v
+            return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:])
+        return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], b_k) + heads(value, weight[2 * E :], b_v)
 
     def _packed_bias(self) -> Tensor | None:
         """``[b_q; b_k or 0; b_v or 0]`` for the fused matmul: gradients flow only to real biases.
