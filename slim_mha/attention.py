@@ -227,7 +227,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         if mismatched:  # the size mismatch already names the culprit; our split keys are not missing
-            split = {prefix + name for name in SlimBiases._fields}
+            split = {prefix + name for name in ("q_proj_bias", "v_proj_bias", "k_proj_bias")}
             missing_keys[:] = [key for key in missing_keys if key not in split]
 
     # ------------------------------------------------------------------------------------ forward

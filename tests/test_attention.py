@@ -480,6 +480,13 @@ def test_state_dict_errors_use_torch_wording():
     bad = dict(stock_state, in_proj_bias=torch.zeros(2 * E))
     with pytest.raises(RuntimeError, match=r"(?s)Error\(s\) in loading state_dict.*size mismatch for in_proj_bias: copying a param with shape torch.Size\(\[32\]\)"):
         slim.load_state_dict(bad)
+    # The split biases are not reported missing beside the size mismatch; a missing bias_k still is.
+    with_bias_kv = SlimMultiheadAttention(E, H, add_bias_kv=True)
+    no_bias_k = {k: v for k, v in nn.MultiheadAttention(E, H, add_bias_kv=True).state_dict().items() if k != "bias_k"}
+    with pytest.raises(RuntimeError) as error:
+        with_bias_kv.load_state_dict(dict(no_bias_k, in_proj_bias=torch.zeros(2 * E)))
+    assert 'Missing key(s) in state_dict: "bias_k"' in str(error.value)
+    assert "q_proj_bias" not in str(error.value) and "size mismatch for in_proj_bias" in str(error.value)
     missing = {k: v for k, v in slim.state_dict().items() if k != "v_proj_bias"}
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "v_proj_bias"'):
         slim.load_state_dict(missing)
