@@ -15,18 +15,13 @@ import pytest
 import torch
 from torch import nn
 
+from _reference import TOLERANCE, attention_tokens
 from slim_mha import SlimMultiheadAttention
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 6, 3
 
-# Relative to the largest magnitude of the reference tensor (see assert_close_scaled).
-TOLERANCE = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.bfloat16: 2e-2,
-    torch.float16: 1e-2,
-}
+# TOLERANCE is relative to the largest magnitude of the reference tensor (see assert_close_scaled).
 
 ATTENTION_KINDS = ("self", "cross_shared_kv", "cross", "kdim_vdim")
 APPENDED = ("none", "bias_kv", "zero_attn", "both")
@@ -79,22 +74,19 @@ def build_pair(case: Case) -> tuple[nn.MultiheadAttention, SlimMultiheadAttentio
 def make_inputs(case: Case) -> dict:
     """Query/key/value in the module's layout, and masks that never mask a whole row."""
     generator = torch.Generator().manual_seed(case.seed + 1)
-
-    def tokens(length: int, dim: int) -> torch.Tensor:
-        shape = (length, dim)
-        if case.batched:
-            shape = (BATCH, length, dim) if case.batch_first else (length, BATCH, dim)
-        return torch.randn(shape, generator=generator, dtype=torch.float64).to(case.dtype)
-
-    query = tokens(L_TGT, E)
-    if case.kind == "self":
-        key = value = query
-    elif case.kind == "cross_shared_kv":
-        key = value = tokens(S_SRC, E)
-    elif case.kind == "cross":
-        key, value = tokens(S_SRC, E), tokens(S_SRC, E)
-    else:
-        key, value = tokens(S_SRC, KDIM), tokens(S_SRC, VDIM)
+    query, key, value = attention_tokens(
+        case.kind,
+        batched=case.batched,
+        batch_first=case.batch_first,
+        dtype=case.dtype,
+        generator=generator,
+        batch=BATCH,
+        tgt_len=L_TGT,
+        src_len=S_SRC,
+        embed_dim=E,
+        kdim=KDIM,
+        vdim=VDIM,
+    )
     src_len = L_TGT if case.kind == "self" else S_SRC
 
     inputs = dict(query=query, key=key, value=value)

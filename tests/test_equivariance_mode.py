@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from _reference import attention_tokens
 from slim_mha import EquivarianceError, SlimMultiheadAttention, checking_equivariance
 from slim_mha.equivariance import ENVIRONMENT_VARIABLE, TOLERANCE, _mode, draw_permutation
 
@@ -129,21 +130,19 @@ def build(case: Case, cls=SlimMultiheadAttention, **options) -> SlimMultiheadAtt
 def make_inputs(case: Case) -> dict:
     generator = torch.Generator().manual_seed(case.seed + 1)
 
-    def tokens(length: int, dim: int) -> torch.Tensor:
-        shape = (length, dim)
-        if case.batched:
-            shape = (BATCH, length, dim) if case.batch_first else (length, BATCH, dim)
-        return torch.randn(shape, generator=generator, dtype=torch.float64).to(case.dtype)
-
-    query = tokens(L_TGT, E)
-    if case.kind == "self":
-        key = value = query
-    elif case.kind == "cross_shared_kv":
-        key = value = tokens(S_SRC, E)
-    elif case.kind == "cross":
-        key, value = tokens(S_SRC, E), tokens(S_SRC, E)
-    else:
-        key, value = tokens(S_SRC, KDIM), tokens(S_SRC, VDIM)
+    query, key, value = attention_tokens(
+        case.kind,
+        batched=case.batched,
+        batch_first=case.batch_first,
+        dtype=case.dtype,
+        generator=generator,
+        batch=BATCH,
+        tgt_len=L_TGT,
+        src_len=S_SRC,
+        embed_dim=E,
+        kdim=KDIM,
+        vdim=VDIM,
+    )
     source = L_TGT if case.kind == "self" else S_SRC
     inputs = dict(query=query, key=key, value=value)
     batch = (BATCH,) if case.batched else ()
