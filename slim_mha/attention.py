@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +10,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
+from ._explicit_attention import attention_with_weights
 from .bias import SlimBiases, fold_key_bias, keeps_key_bias, unfold_key_bias
 from .equivariance import _mode as _equivariance
 
@@ -287,7 +287,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         dropout_p = self.dropout if self.training else 0.0
 
         if need_weights:
-            out, weights = _attention_with_weights(q, k, v, mask, dropout_p, average_attn_weights)
+            out, weights = attention_with_weights(q, k, v, mask, dropout_p, average_attn_weights)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
@@ -482,65 +482,3 @@ def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
     if batch_first:
         return out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
     return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
-
-
-# Averaged weights over scores of at least this size are computed one head at a time, into one
-# reused (B, L, S) buffer: peak memory stays below stock's, and a fresh large tensor costs more to
-# allocate, first-touch and stream through the caches than the loop's extra calls (measured on the
-# 2-core dev machine, where glibc maps allocations of 32 MiB and more afresh on every call). Below
-# it, the per-head calls' Python overhead would dominate.
-_LARGE_SCORES_BYTES = 1 << 20
-
-
-def _attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool
-) -> tuple[Tensor, Tensor]:
-    """softmax(q kᵀ / sqrt(D) + mask) v and the weights, in stock's order of operations.
-
-    Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged over heads or
-    ``(B, H, L, S)``. The ``(B, H, L, S)`` scores are the one large tensor here and allocating it
-    dominates on CPU, so the mask and (with no graph recorded) the softmax work in place, and
-    averaged weights without a graph are computed one head at a time into one ``(B, L, S)`` buffer.
-    """
-    records_graph = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, mask)
-    )
-    B, H, L, _ = q.shape
-    large = B * H * L * k.shape[2] * q.element_size() >= _LARGE_SCORES_BYTES
-    if average and large and not records_graph and dropout_p == 0.0:
-        return _attention_averaged_head_by_head(q, k, v, mask)
-    scale = math.sqrt(1.0 / float(q.shape[-1]))
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, L, S)
-    if mask is not None:
-        scores.add_(mask)  # safe under autograd: matmul's backward does not read its output
-    weights = torch.softmax(scores, dim=-1) if records_graph else torch.softmax(scores, dim=-1, out=scores)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights, v)  # (B, H, L, D)
-    return out, weights.mean(dim=1) if average else weights
-
-
-def _attention_averaged_head_by_head(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The no-graph, no-dropout case of :func:`_attention_with_weights` with averaged weights."""
-    B, H, L, D = q.shape
-    scale = math.sqrt(1.0 / float(D))
-    out = q.new_empty(B, L, H, D)  # the layout _merge_heads flattens for free
-    total = q.new_zeros(B, L, k.shape[2])
-    scores = torch.empty_like(total)  # (B, L, S), reused by every head
-    for head in range(H):
-        torch.matmul(q[:, head] * scale, k[:, head].transpose(-2, -1), out=scores)
-        if mask is not None:
-            scores.add_(_mask_of_head(mask, head))
-        torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, head] = torch.matmul(scores, v[:, head])
-        total.add_(scores)
-    return out.transpose(1, 2), total.div_(H)  # (B, H, L, D), (B, L, S)
-
-
-def _mask_of_head(mask: Tensor, head: int) -> Tensor:
-    """The slice of a mask broadcastable to ``(B, H, L, S)`` that applies to one head."""
-    if mask.dim() < 4:
-        return mask
-    return mask[:, head if mask.shape[1] > 1 else 0]

@@ -660,9 +660,9 @@ HEAD_BY_HEAD = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "
 @pytest.mark.parametrize("kpm,attn_mask,appended,mode", HEAD_BY_HEAD)
 def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
     """Large averaged-weights calls without a graph go head by head; force that path on small inputs."""
-    import slim_mha.attention
+    import slim_mha._explicit_attention
 
-    monkeypatch.setattr(slim_mha.attention, "_LARGE_SCORES_BYTES", 0)
+    monkeypatch.setattr(slim_mha._explicit_attention, "_LARGE_SCORES_BYTES", 0)
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(
@@ -671,12 +671,12 @@ def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, 
 
 
 def test_head_by_head_path_is_taken_above_the_threshold(monkeypatch):
-    import slim_mha.attention
+    import slim_mha._explicit_attention
 
     calls = []
-    original = slim_mha.attention._attention_averaged_head_by_head
+    original = slim_mha._explicit_attention._attention_averaged_head_by_head
     monkeypatch.setattr(
-        slim_mha.attention, "_attention_averaged_head_by_head", lambda *a: calls.append(1) or original(*a)
+        slim_mha._explicit_attention, "_attention_averaged_head_by_head", lambda *a: calls.append(1) or original(*a)
     )
     _, slim = stock_and_slim(batch_first=True)
     small, large = torch.randn(1, 8, E), torch.randn(1, 512, E)  # scores: 1 KiB and 4 MiB
