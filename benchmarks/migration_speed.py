@@ -5,8 +5,8 @@ temporary directory, then, interleaved over ``--repeats`` rounds:
 
 * ``cp -r SRC DST`` (the baseline the issue names),
 * ``fold_checkpoint(SRC, DST)`` in this process (migration alone),
-* ``python -m migration fold SRC DST --quiet`` (end to end, including Python and torch start-up),
-* ``python -c "import migration.cli"`` (that start-up alone: a fixed cost, whatever the size).
+* ``python -m slim_mha.migration fold SRC DST --quiet`` (end to end, including Python and torch start-up),
+* ``python -c "import slim_mha.migration.cli"`` (that start-up alone: a fixed cost, whatever the size).
 
 Dirty pages are flushed (``os.sync``) between runs, outside the timings; the source stays in the
 page cache for all three, so each reads from memory and writes to the page cache alike.
@@ -38,14 +38,14 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from migration import fold_checkpoint  # noqa: E402
+from slim_mha.migration import fold_checkpoint  # noqa: E402
 
 EMBED = 1024
 # A child that imports everything, resets the kernel's peak-RSS mark (VmHWM, via clear_refs), runs the
 # CLI and reports "rss_at_start peak" in bytes: the peak covers the migration alone, not the imports.
 _CHILD = """
 import sys
-from migration.cli import main
+from slim_mha.migration.cli import main
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
@@ -135,12 +135,12 @@ def main() -> None:
             "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
             "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
             "fold (CLI)": lambda: subprocess.run(
-                [sys.executable, "-m", "migration", "fold", str(source), str(work / "cli"), "--quiet"],
+                [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(work / "cli"), "--quiet"],
                 check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
             ),
             # The CLI's fixed cost: start Python and import torch, safetensors and migration.
             "start-up": lambda: subprocess.run(
-                [sys.executable, "-c", "import migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+                [sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
             ),
         }
         times: dict[str, list[float]] = {name: [] for name in runs}

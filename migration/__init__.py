@@ -1,8 +1,8 @@
 """Checkpoint migration between the stock ``nn.MultiheadAttention`` layout and slim_mha's.
 
-The four operations mirror the CLI (``slim-mha-migrate`` / ``python -m migration``)::
+The four operations mirror the CLI (``slim-mha-migrate`` / ``python -m slim_mha.migration``)::
 
-    from migration import fold_checkpoint, inspect_checkpoint, format_report
+    from slim_mha.migration import fold_checkpoint, inspect_checkpoint, format_report
 
     print(format_report(inspect_checkpoint("model.safetensors")))
     report = fold_checkpoint("model.safetensors", "model.slim.safetensors", verify=True)

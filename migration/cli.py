@@ -1,4 +1,4 @@
-"""``slim-mha-migrate`` / ``python -m migration``: ``main`` wires the four subcommands together.
+"""``slim-mha-migrate`` / ``python -m slim_mha.migration``: ``main`` wires the four subcommands together.
 
 Usage mistakes exit with 2 through ``parser.error``; a run that fails (a bad file, a refusal, a
 ``--verify`` mismatch) prints one line naming the file and the key and exits with 1. No traceback

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from migration import (
+from slim_mha.migration import (
     FORMAT_VERSION,
     fold_checkpoint,
     format_report,
@@ -394,7 +394,7 @@ def test_torch_tensors_sharing_storage_are_written_separately(tmp_path):
 
 def test_verify_catches_a_wrong_fold_and_writes_nothing(tmp_path, monkeypatch):
     """The checker can fail: a fold that forgets to shift bias_k is caught."""
-    import migration._plan as plan
+    import slim_mha.migration._plan as plan
     from slim_mha.bias import SlimBiases
 
     def forgetful_fold(in_proj_bias, bias_k=None, *, add_zero_attn=False):

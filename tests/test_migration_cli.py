@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import migration._migrate as migrate_module
-from migration.cli import main
+import slim_mha.migration._migrate as migrate_module
+from slim_mha.migration.cli import main
 from _migration_checkpoints import prefixed, save_sharded, stock_attention
 
 PROG = "slim-mha-migrate"
@@ -263,7 +263,7 @@ def _environment() -> dict[str, str]:
 
 def test_python_dash_m_migration(tmp_path, stock_file):
     result = subprocess.run(
-        [sys.executable, "-m", "migration", "fold", str(stock_file), str(tmp_path / "slim.safetensors"), "--verify"],
+        [sys.executable, "-m", "slim_mha.migration", "fold", str(stock_file), str(tmp_path / "slim.safetensors"), "--verify"],
         capture_output=True, text=True, env=_environment(), timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -276,12 +276,12 @@ def test_python_dash_m_migration(tmp_path, stock_file):
 
 def test_console_script_error_has_no_traceback(tmp_path):
     script = shutil.which("slim-mha-migrate", path=os.path.dirname(sys.executable))
-    command = [script] if script else [sys.executable, "-m", "migration"]
+    command = [script] if script else [sys.executable, "-m", "slim_mha.migration"]
     result = subprocess.run(
         [*command, "inspect", str(tmp_path / "missing.pt")], capture_output=True, text=True,
         env=_environment(), timeout=120,
     )
-    prog = PROG if script else "python -m migration"
+    prog = PROG if script else "python -m slim_mha.migration"
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr == f"{prog} inspect: error: {tmp_path / 'missing.pt'}: no such file or directory\n"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import migration._migrate as migrate_module
-import migration._writer as writer_module
-from migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
+import slim_mha.migration._migrate as migrate_module
+import slim_mha.migration._writer as writer_module
+from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"

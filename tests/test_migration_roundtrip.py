@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import slim_mha
-from migration import fold_checkpoint, inspect_checkpoint, to_stock_checkpoint
+from slim_mha.migration import fold_checkpoint, inspect_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import load_sharded, randomize, save_sharded
 
 pytestmark = pytest.mark.filterwarnings(

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from migration import fold_checkpoint, to_stock_checkpoint
-from migration._checkpoint import TensorRecord
+from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
+from slim_mha.migration._checkpoint import TensorRecord
 from _migration_checkpoints import prefixed, save_sharded, stock_attention
 
 
@@ -43,7 +43,7 @@ def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
 
 _CHILD = """
 import sys
-from migration.cli import main
+from slim_mha.migration.cli import main
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
