@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._memory_guard import check_weights_fit
+
 __all__ = ["attention_with_weights"]
 
 
@@ -36,6 +38,7 @@ def attention_with_weights(
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
+    check_weights_fit(q, k.shape[2], average=average, records_graph=records_graph)  # before any (B, H, L, S)
     B, H, L, _ = q.shape
     large = B * H * L * k.shape[2] * q.element_size() >= _LARGE_SCORES_BYTES
     if average and large and not records_graph and dropout_p == 0.0:

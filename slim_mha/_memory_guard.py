@@ -1,0 +1,216 @@
+"""Refuse an attention-weights request that cannot fit, before anything is allocated for it.
+
+Attention weights are quadratic in the number of tokens: at B=1 and 100,000 tokens the averaged
+``(B, L, S)`` float32 weights alone are 37 GiB, and the per-head scores behind them H times that.
+Left to the allocator, such a call either fails with ``can't allocate memory: you tried to allocate
+...`` (above the kernel's overcommit limit) or, below it, succeeds on paper and lets the kernel's
+out-of-memory killer end this process or a neighbour while the pages are written. Either way the
+user learns nothing about the fix, which is ``need_weights=False``: scaled_dot_product_attention
+never materialises the weights and its memory grows linearly with the number of tokens.
+
+**When to refuse.** :func:`check_weights_fit` compares the least memory slim's weights path must hold
+at once with the memory this process can get. That least memory is never more than stock's
+``nn.MultiheadAttention`` needs for the same call, so a call is refused only when stock would fail
+too (it would still try, and fail later, with the allocator's message):
+
+=======================================  ==========================  ===============================
+call                                     slim holds at least         stock holds at least
+=======================================  ==========================  ===============================
+a graph is recorded (training)           scores and probabilities,   the same (``baddbmm`` output
+                                         2 x (B, H, L, S)            and ``softmax`` output)
+no graph, ``average_attn_weights=True``  the result and one head's   (B, H, L, S) scores (native
+                                         scores, 2 x (B, L, S)       fast path; 2x on its Python
+                                                                     path); 2 x (B, L, S) when H=1
+no graph, per-head weights               the weights, (B, H, L, S)   the same, or twice that
+=======================================  ==========================  ===============================
+
+**What the process can get** (:func:`available_bytes`): on CPU, the smallest of the address space
+left under ``RLIMIT_AS``, the headroom under the cgroup's memory limit (v2 ``memory.max`` or v1
+``memory.limit_in_bytes``, reclaimable file cache counted as free) and the kernel's ``MemAvailable``
+plus free swap (``CommitLimit - Committed_AS`` under strict overcommit); on CUDA, the device's free
+memory plus what the caching allocator holds unused. Anything it cannot read counts as unlimited:
+an unknown limit never refuses a call.
+
+**Cost.** Below :data:`_CHECK_ABOVE_BYTES` the check is one flag read and a few integer
+multiplications; the limits are read only for requests large enough that computing them takes
+tens of milliseconds or more. Under ``torch.compile``/``torch.export`` tracing (shapes may be
+symbolic and nothing is allocated) and for meta tensors and tensor subclasses it does nothing.
+
+**The error** is ``torch.OutOfMemoryError``, a ``RuntimeError``: stock's failure here is the
+allocator's ``RuntimeError`` on CPU and ``torch.OutOfMemoryError`` on CUDA, so handlers written for
+stock (``except RuntimeError``, batch-size finders that catch out-of-memory errors) catch ours too,
+which a ``MemoryError`` would slip past.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["available_bytes", "check_weights_fit"]
+
+# Requests below this are not checked: reading the limits costs tens of microseconds, a rounding
+# error next to writing 256 MiB of scores, and smaller requests are not where memory runs out.
+_CHECK_ABOVE_BYTES = 1 << 28
+_UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: bool) -> None:
+    """Raise ``torch.OutOfMemoryError`` if the weights path for ``q`` ``(B, H, L, D)`` cannot fit.
+
+    ``src_len`` is the number of keys (appended ``bias_k``/zero-attention tokens included).
+    """
+    if torch.compiler.is_compiling():
+        return
+    head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
+    if 2 * head_maps < _CHECK_ABOVE_BYTES:  # 2 x (B, H, L, S) bounds every case below
+        return
+    needed = 2 * head_maps if records_graph else (2 * head_maps // q.size(1) if average else head_maps)
+    _refuse_if_too_large(q, src_len, needed, average=average, records_graph=records_graph)
+
+
+def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, *, average: bool, records_graph: bool) -> None:
+    if type(q) is not Tensor or q.device.type not in ("cpu", "cuda") or torch.jit.is_tracing():
+        return  # fake, meta and subclass tensors allocate elsewhere or not at all
+    dtype = q.dtype
+    if torch.is_autocast_enabled(q.device.type):  # matmuls may produce a narrower dtype than q's
+        autocast_dtype = torch.get_autocast_dtype(q.device.type)
+        if autocast_dtype.itemsize < dtype.itemsize:
+            needed, dtype = needed * autocast_dtype.itemsize // dtype.itemsize, autocast_dtype
+    available, source = available_bytes(q.device)
+    if available is None or needed <= available:
+        return
+    B, H, L, _ = q.shape
+    if records_graph:
+        what = f"scores and probabilities of shape (B, H, L, S) = {(B, H, L, src_len)}, kept for backward"
+    elif average:
+        what = f"the averaged weights and one head's scores, each (B, L, S) = {(B, L, src_len)}"
+    else:
+        what = f"the weights, (B, H, L, S) = {(B, H, L, src_len)}"
+    raise torch.OutOfMemoryError(
+        f"need_weights=True: attention weights over {L:,} queries and {src_len:,} keys need at least "
+        f"{_format_bytes(needed)} ({what}, {str(dtype).removeprefix('torch.')}), more than this process "
+        f"can get ({_format_bytes(max(available, 0))}, {source}); pass need_weights=False, which never "
+        "materialises them and keeps memory linear in the number of tokens, or attend over fewer tokens"
+    )
+
+
+def available_bytes(device: torch.device) -> tuple[int | None, str]:
+    """The most memory a new allocation on ``device`` can get, and what limits it (``None``: unknown)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached, f"free memory on {device}"
+    if device.type != "cpu":
+        return None, "unknown"
+    limits = [
+        (_address_space_left(), "the address space left under RLIMIT_AS"),
+        (_cgroup_headroom(), "the headroom under the cgroup memory limit"),
+        (_system_available(), "MemAvailable in /proc/meminfo"),
+    ]
+    known = [limit for limit in limits if limit[0] is not None]
+    return min(known) if known else (None, "unknown")
+
+
+def _address_space_left() -> int | None:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm") as statm:
+            return soft - int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def _read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` in bytes, by field name."""
+    fields = {}
+    with open(path) as meminfo:
+        for line in meminfo:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return fields
+
+
+def _system_available(meminfo_path: str = "/proc/meminfo", overcommit_path: str = "/proc/sys/vm/overcommit_memory") -> int | None:
+    try:
+        fields = _read_meminfo(meminfo_path)
+        with open(overcommit_path) as overcommit:
+            strict = overcommit.read().strip() == "2"
+    except (OSError, ValueError):
+        return None
+    if strict and "CommitLimit" in fields and "Committed_AS" in fields:
+        return fields["CommitLimit"] - fields["Committed_AS"]
+    if "MemAvailable" not in fields:
+        return None
+    return fields["MemAvailable"] + fields.get("SwapFree", 0)
+
+
+def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Least ``limit - usage + inactive file cache`` over this process's memory cgroup and its ancestors."""
+    try:
+        with open(proc_cgroup) as cgroups:
+            lines = cgroups.read().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # v2
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        headrooms += _headrooms_along(base, path, *files)
+    return min(headrooms) if headrooms else None
+
+
+def _headrooms_along(base: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[int]:
+    """Headroom of every cgroup directory from ``base/path`` up to ``base`` that sets a limit.
+
+    Inside a cgroup namespace ``path`` may not exist under ``base`` (``base`` is then the process's
+    own cgroup), so missing directories are skipped.
+    """
+    parts = [part for part in path.split("/") if part]
+    headrooms = []
+    for depth in range(len(parts), -1, -1):
+        directory = os.path.join(base, *parts[:depth])
+        try:
+            with open(os.path.join(directory, limit_file)) as file:
+                text = file.read().strip()
+            if text == "max" or int(text) >= _UNLIMITED_CGROUP:
+                continue
+            with open(os.path.join(directory, usage_file)) as file:
+                usage = int(file.read())
+        except (OSError, ValueError):
+            continue
+        headrooms.append(int(text) - usage + _stat_field(os.path.join(directory, "memory.stat"), inactive_key))
+    return headrooms
+
+
+def _stat_field(path: str, key: str) -> int:
+    try:
+        with open(path) as stat:
+            for line in stat:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
