@@ -1,14 +1,19 @@
 """Reading checkpoints: a safetensors file, a sharded directory or a torch pickle, as tensor records.
 
-Opening a checkpoint reads headers only (and, for a torch pickle, maps the file). Tensor data is
-read on demand, one tensor at a time, so that only the attention biases a migration changes are
-ever materialised; every other tensor is copied byte for byte when the output is written.
+Opening a checkpoint reads each file's header once (and, for a torch pickle, maps the file). Tensor
+data is read on demand, straight from its byte range, so that only the attention tensors a migration
+needs are ever materialised; every other tensor is copied byte for byte when the output is written.
+The cost of a run is therefore linear in the number of tensors: no read re-parses a header.
+
+Every path is checked to be a regular file before it is opened, so a named pipe or a device given as
+a checkpoint is refused at once instead of blocking the run.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +22,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from ._text import shown
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+TORCH_INDEX_NAME = "pytorch_model.bin.index.json"
+TORCH_SINGLE_NAME = "pytorch_model.bin"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _WRAPPERS = ("state_dict", "model")
+# How a torch.save file starts: a zip archive (the default since torch 1.6; an empty one has only its end
+# record), or the legacy format, a pickle of protocol 2 or later. Anything else is not a torch checkpoint.
+_TORCH_MAGIC = (b"PK\x03\x04", b"PK\x05\x06", b"\x80")
 
 # safetensors dtype names, and the bytes per element (tensors are laid out largest first so that
 # each one starts aligned to its own element size, as safetensors itself writes them).
@@ -42,6 +54,7 @@ DTYPE_NAMES = {
     torch.uint32: "U32",
     torch.uint64: "U64",
 }
+STORED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in DTYPE_NAMES.items()}
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -59,19 +72,33 @@ class TensorRecord:
     tensor: Tensor | None = None  # the tensor itself (torch pickles)
 
     def read(self) -> Tensor:
-        """The tensor, read from disk for safetensors sources."""
+        """The tensor: read from its byte range for safetensors sources (the header is not parsed again)."""
         if self.tensor is not None:
             return self.tensor
+        data = bytearray(self.nbytes)
         try:
-            with safe_open(self.shard.path, framework="pt") as handle:
-                return handle.get_tensor(self.key)
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"{self.shard.path}: cannot read '{self.key}' ({_one_line(exc)})") from None
+            with open(self.shard.path, "rb", buffering=0) as file:
+                file.seek(self.offset)
+                view, filled = memoryview(data), 0
+                while filled < self.nbytes:
+                    count = file.readinto(view[filled:])
+                    if not count:
+                        raise OSError(f"the file ends {self.nbytes - filled} bytes early; it changed while being read")
+                    filled += count
+        except OSError as exc:
+            raise ValueError(
+                f"{shown(self.shard.path)}: cannot read '{shown(self.key)}' ({shown(_one_line(exc))})"
+            ) from None
+        dtype = STORED_DTYPES[self.dtype]
+        if not data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(self.shape)
 
 
 @dataclass(eq=False)
 class Shard:
-    """One file of a checkpoint; ``name`` is kept for the output file."""
+    """One file of a checkpoint: ``path`` is read; ``name`` is the output file's name (a ``.bin`` shard
+    becomes ``.safetensors``)."""
 
     name: str
     path: Path
@@ -85,7 +112,10 @@ class Shard:
 
 @dataclass(eq=False)
 class Checkpoint:
-    """A checkpoint's layout: ``kind`` is "file", "directory" (one model.safetensors), "sharded" or "torch"."""
+    """A checkpoint's layout: ``kind`` is "file", "directory" (one model file), "sharded" or "torch".
+
+    ``index_name`` is the output index's name; ``index_path`` the index that was read.
+    """
 
     source: Path
     kind: str
@@ -93,6 +123,7 @@ class Checkpoint:
     index_name: str | None = None
     index_metadata: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    index_path: Path | None = None
 
     @property
     def records(self) -> dict[str, TensorRecord]:
@@ -102,11 +133,19 @@ class Checkpoint:
     def writes_directory(self) -> bool:
         return self.kind in ("directory", "sharded")
 
+    def recorded(self, key: str) -> list[tuple[Path, object]]:
+        """Each value of metadata ``key`` stored in the files (shards, then the index), with its file."""
+        found = [(shard.path, shard.metadata[key]) for shard in self.shards if key in shard.metadata]
+        if self.index_path is not None and key in self.index_metadata:
+            found.append((self.index_path, self.index_metadata[key]))
+        return found
+
 
 def source_kind(source: Path) -> str:
     """Classify SRC by its path alone (no reads): the output's shape follows from it."""
     if source.is_dir():
-        return "sharded" if (source / INDEX_NAME).is_file() else "directory"
+        has_index = any(_present(source / name) for name in (INDEX_NAME, TORCH_INDEX_NAME))
+        return "sharded" if has_index else "directory"
     name = source.name
     if name.endswith(".index.json"):
         return "sharded"
@@ -115,47 +154,112 @@ def source_kind(source: Path) -> str:
     if name.endswith(TORCH_SUFFIXES):
         return "torch"
     raise ValueError(
-        f"{source}: unsupported input format; expected a .safetensors file, a directory with "
-        f"{INDEX_NAME}, an *.index.json file, or a {'/'.join(TORCH_SUFFIXES)} state dict"
+        f"{shown(source)}: unsupported input format; expected a .safetensors file, a directory with "
+        f"{INDEX_NAME} or {TORCH_INDEX_NAME}, an *.index.json file, or a {'/'.join(TORCH_SUFFIXES)} "
+        "state dict"
     )
 
 
 def open_checkpoint(source: Path) -> Checkpoint:
     """Read every header of SRC and check that the files agree with each other; no tensor data is read."""
-    if not source.exists():
-        raise FileNotFoundError(f"{source}: no such file or directory")
+    if not _present(source):
+        raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
+    if kind in ("file", "torch"):
+        _require_file(source, "pass the checkpoint file itself")
     if kind == "file":
         return Checkpoint(source, kind, [_open_safetensors(source, source.name)])
     if kind == "torch":
-        shard, notes = _open_torch(source)
+        shard, notes = _open_torch(source, source.name)
         return Checkpoint(source, kind, [shard], notes=notes)
     if kind == "directory":
-        single = source / SINGLE_NAME
-        if not single.is_file():
+        single = next((source / name for name in (SINGLE_NAME, TORCH_SINGLE_NAME) if _present(source / name)), None)
+        if single is None:
             raise ValueError(
-                f"{source}: directory has neither {INDEX_NAME} nor {SINGLE_NAME}; "
-                "pass the checkpoint file or its index instead"
+                f"{shown(source)}: directory has none of {INDEX_NAME}, {SINGLE_NAME}, {TORCH_INDEX_NAME} or "
+                f"{TORCH_SINGLE_NAME}; pass the checkpoint file or its index instead"
             )
-        return Checkpoint(source, kind, [_open_safetensors(single, SINGLE_NAME)])
-    index_path = source / INDEX_NAME if source.is_dir() else source
+        _require_file(single, "replace it with the checkpoint file")
+        if single.name == SINGLE_NAME:
+            return Checkpoint(source, kind, [_open_safetensors(single, SINGLE_NAME)])
+        shard, notes = _open_torch(single, SINGLE_NAME)
+        return Checkpoint(source, kind, [shard], notes=notes)
+    if source.is_dir():
+        index_path = next(source / name for name in (INDEX_NAME, TORCH_INDEX_NAME) if _present(source / name))
+    else:
+        index_path = source
+    _require_file(index_path, "pass the index file itself")
     return _open_sharded(source, index_path)
+
+
+def output_name(name: str) -> str:
+    """The safetensors name a torch shard is written under, as Hugging Face names them:
+    ``pytorch_model-00001-of-00002.bin`` -> ``model-00001-of-00002.safetensors``."""
+    if name.endswith(".index.json"):
+        return output_name(name.removesuffix(".index.json")) + ".index.json"
+    for suffix in TORCH_SUFFIXES:
+        if name.endswith(suffix):
+            stem = name.removesuffix(suffix)
+            return (stem.replace("pytorch_model", "model", 1) if stem.startswith("pytorch_model") else stem) + (
+                ".safetensors"
+            )
+    return name
+
+
+# ---------------------------------------------------------------------------------- files on disk
+
+
+def _present(path: Path) -> bool:
+    """Whether anything is at ``path``: a dangling symlink counts, so that it can be reported as one."""
+    return path.exists() or path.is_symlink()
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a checkpoint file (symlinks followed), or None for a regular file.
+
+    Only ``stat`` is called: opening a named pipe would block until a writer appears.
+    """
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is a dangling symbolic link" if path.is_symlink() else "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or _one_line(exc)})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    kinds = (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    kind = next((text for test, text in kinds if test(mode)), "a special file")
+    return f"is {kind}, not a regular file"
+
+
+def _require_file(path: Path, fix: str) -> None:
+    problem = file_problem(path)
+    if problem == "does not exist":
+        raise FileNotFoundError(f"{shown(path)}: no such file")
+    if problem:
+        raise ValueError(f"{shown(path)}: {problem}; {fix}")
 
 
 # ------------------------------------------------------------------------------------ safetensors
 
 
 def _open_safetensors(path: Path, name: str) -> Shard:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    # safe_open validates the whole layout (header, offsets, file length) before we trust offsets.
+    # safe_open validates the whole layout (header, offsets, file length) before we trust offsets;
+    # then the header is parsed once more, here, for the offsets that safe_open does not expose.
     try:
         with safe_open(path, framework="pt") as handle:
             metadata = dict(handle.metadata() or {})
     except SafetensorError as exc:
         raise ValueError(
-            f"{path}: not a valid safetensors file ({_one_line(exc)}); it is truncated, corrupt or "
-            "another format: re-download or re-save it"
+            f"{shown(path)}: not a valid safetensors file ({shown(_one_line(exc))}); it is truncated, corrupt "
+            "or another format: re-download or re-save it"
         ) from None
     header, data_start = _read_header(path)
     shard = Shard(name, path, metadata)
@@ -178,66 +282,85 @@ def _read_header(path: Path) -> tuple[dict, int]:
 
 
 def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path}: no such file")
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(
-            f"{index_path}: not a valid index ({exc.msg} at line {exc.lineno}); "
+            f"{shown(index_path)}: not a valid index ({exc.msg} at line {exc.lineno}); "
             "expected JSON with a 'weight_map' of tensor name -> shard file"
         ) from None
     except UnicodeDecodeError:
-        raise ValueError(f"{index_path}: not a valid index (not UTF-8 text); expected a JSON file") from None
+        raise ValueError(f"{shown(index_path)}: not a valid index (not UTF-8 text); expected a JSON file") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
     ):
         raise ValueError(
-            f"{index_path}: not a valid index: 'weight_map' must map tensor names to shard file names"
+            f"{shown(index_path)}: not a valid index: 'weight_map' must map tensor names to shard file names"
         )
     first_key: dict[str, str] = {}
     for key, name in weight_map.items():
         if Path(name).name != name or name in ("", ".", ".."):
             raise ValueError(
-                f"{index_path}: shard name '{name}' (for '{key}') is not a plain file name; "
+                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') is not a plain file name; "
                 "shards must sit beside the index"
             )
         first_key.setdefault(name, key)
-    shards = []
+    shards, written_as, notes = [], {}, []
     for name in sorted(first_key):
         path = index_path.parent / name
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{index_path}: shard '{name}' is listed in the weight_map (for '{first_key[name]}') "
-                f"but {path} does not exist; restore the shard or fix the index"
+        listed = f"{shown(index_path)}: shard '{shown(name)}' is listed in the weight_map (for '{shown(first_key[name])}')"
+        problem = file_problem(path)
+        if problem == "does not exist":
+            raise FileNotFoundError(f"{listed} but {shown(path)} does not exist; restore the shard or fix the index")
+        if problem:
+            raise ValueError(f"{listed} but {shown(path)} {problem}; put the shard file there or fix the index")
+        out = output_name(name)
+        if out in written_as:
+            raise ValueError(
+                f"{shown(index_path)}: shards '{shown(written_as[out])}' and '{shown(name)}' would both be written "
+                f"as '{shown(out)}'; rename one of them"
             )
-        shards.append(_open_safetensors(path, name))
+        written_as[out] = name
+        if name.endswith(".safetensors"):
+            shards.append(_open_safetensors(path, out))
+        elif name.endswith(TORCH_SUFFIXES):
+            shard, shard_notes = _open_torch(path, out)
+            notes += [f"{name}: {note}" for note in shard_notes]
+            shards.append(shard)
+        else:
+            raise ValueError(
+                f"{listed} but it is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}; shards must be "
+                "safetensors files or torch state dicts"
+            )
     _check_index_matches(index_path, weight_map, shards)
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     metadata = {key: value for key, value in metadata.items() if key != "total_size"}
-    return Checkpoint(source, "sharded", shards, index_name=index_path.name, index_metadata=metadata)
+    return Checkpoint(
+        source, "sharded", shards, index_name=output_name(index_path.name), index_metadata=metadata,
+        notes=tuple(notes), index_path=index_path,
+    )
 
 
 def _check_index_matches(index_path: Path, weight_map: dict[str, str], shards: list[Shard]) -> None:
-    seen: dict[str, str] = {}
+    seen: dict[str, Shard] = {}
     for shard in shards:
         for key in shard.records:
             if key in seen:
                 raise ValueError(
-                    f"{index_path}: '{key}' is stored in both {seen[key]} and {shard.name}; "
-                    "keep it in one shard"
+                    f"{shown(index_path)}: '{shown(key)}' is stored in both {shown(seen[key].path.name)} and "
+                    f"{shown(shard.path.name)}; keep it in one shard"
                 )
-            seen[key] = shard.name
-            if weight_map.get(key) != shard.name:
+            seen[key] = shard
+            if weight_map.get(key) != shard.path.name:
                 raise ValueError(
-                    f"{shard.path}: '{key}' is stored here but the index maps it to "
-                    f"{weight_map.get(key)!r}; fix the index"
+                    f"{shown(shard.path)}: '{shown(key)}' is stored here but the index maps it to "
+                    f"{shown(repr(weight_map.get(key)))}; fix the index"
                 )
     for key, name in weight_map.items():
         if key not in seen:
             raise ValueError(
-                f"{index_path.parent / name}: '{key}' is listed in the index for this shard but the "
+                f"{shown(index_path.parent / name)}: '{shown(key)}' is listed in the index for this shard but the "
                 "shard does not contain it; fix the index"
             )
 
@@ -245,22 +368,24 @@ def _check_index_matches(index_path: Path, weight_map: dict[str, str], shards: l
 # ---------------------------------------------------------------------------------- torch pickles
 
 
-def _open_torch(path: Path) -> tuple[Shard, tuple[str, ...]]:
+def _open_torch(path: Path, name: str) -> tuple[Shard, tuple[str, ...]]:
     loaded = _torch_load(path)
     state_dict, notes = _unwrap_state_dict(path, loaded)
-    shard = Shard(path.name, path, {"format": "pt"})
+    shard = Shard(name, path, {"format": "pt"})
     for key, value in state_dict.items():
         if not isinstance(key, str):
-            raise ValueError(f"{path}: state-dict key {key!r} is not a string; safetensors keys are strings")
+            raise ValueError(
+                f"{shown(path)}: state-dict key {shown(repr(key))} is not a string; safetensors keys are strings"
+            )
         if not isinstance(value, Tensor):
             raise ValueError(
-                f"{path}: '{key}' holds a {type(value).__name__}, not a tensor; safetensors stores tensors "
-                "only: save model.state_dict() alone"
+                f"{shown(path)}: '{shown(key)}' holds a {type(value).__name__}, not a tensor; safetensors stores "
+                "tensors only: save model.state_dict() alone"
             )
         if value.layout != torch.strided or value.is_quantized or value.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"{path}: '{key}' is a {value.layout} {value.dtype} tensor, which safetensors cannot store; "
-                "convert it to a dense tensor of a plain dtype first"
+                f"{shown(path)}: '{shown(key)}' is a {value.layout} {value.dtype} tensor, which safetensors cannot "
+                "store; convert it to a dense tensor of a plain dtype first"
             )
         tensor = value.detach().contiguous()
         shard.records[key] = TensorRecord(
@@ -271,7 +396,17 @@ def _open_torch(path: Path) -> tuple[Shard, tuple[str, ...]]:
 
 
 def _torch_load(path: Path) -> object:
-    """``torch.load(weights_only=True)``: a pickle that needs anything but tensors is refused unread."""
+    """``torch.load(weights_only=True)``: a pickle that needs anything but tensors is refused unread.
+
+    Bytes that do not start like a torch.save file are refused before unpickling, so that a corrupt or
+    foreign file is called what it is, not a pickle that needs more than tensors.
+    """
+    corrupt = f"{shown(path)}: not a readable PyTorch checkpoint ({{}}); it is truncated, corrupt or another format"
+    with open(path, "rb") as file:
+        start = file.read(4)
+    if not start.startswith(_TORCH_MAGIC):
+        what = "it is empty" if not start else "it starts with neither a zip header nor a pickle header"
+        raise ValueError(corrupt.format(what))
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -281,24 +416,23 @@ def _torch_load(path: Path) -> object:
             return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as exc:
         reason = _one_line(exc)
-        if "Weights only load failed" in reason:
-            detail = next(
-                (line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                "it holds objects other than tensors",
-            )
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # The weights-only unpickler's own complaint, without torch's advice around it.
+        detail = next(
+            (line for line in lines if "GLOBAL" in line or "Unsupported" in line or "Can only" in line), None
+        )
+        if "Weights only load failed" in reason and detail and not detail.startswith("Unsupported operand"):
             raise ValueError(
-                f"{path}: refused: the pickle needs more than tensors ({detail}) and was not executed; "
-                "re-save it from trusted code as torch.save(model.state_dict(), path)"
+                f"{shown(path)}: refused: the pickle needs more than tensors ({shown(detail)}) and was not "
+                "executed; re-save it from trusted code as torch.save(model.state_dict(), path)"
             ) from None
-        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({reason})") from None
+        raise ValueError(corrupt.format(shown(detail or reason))) from None
     except Exception as exc:  # torch raises many types for corrupt files
-        raise ValueError(
-            f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}: {_one_line(exc)}); "
-            "it is truncated, corrupt or another format"
-        ) from None
+        raise ValueError(corrupt.format(f"{type(exc).__name__}: {shown(_one_line(exc))}")) from None
 
 
 def _unwrap_state_dict(path: Path, loaded: object) -> tuple[Mapping, tuple[str, ...]]:
+    """The state dict itself, or the one under 'state_dict' (Lightning, many trainers) or 'model'."""
     notes: tuple[str, ...] = ()
     if isinstance(loaded, Mapping):
         for wrapper in _WRAPPERS:
@@ -310,7 +444,7 @@ def _unwrap_state_dict(path: Path, loaded: object) -> tuple[Mapping, tuple[str, 
                 return inner, notes
         return loaded, notes
     raise ValueError(
-        f"{path}: holds a {type(loaded).__name__}, not a state dict; expected a dict of tensors, "
+        f"{shown(path)}: holds a {type(loaded).__name__}, not a state dict; expected a dict of tensors, "
         "or one under 'state_dict' or 'model'"
     )
 

@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from tqdm import tqdm
 from slim_mha import SlimMultiheadAttention
 
 from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
+from ._text import shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
 from ._verify import check_module_error, module_output_error, tolerance_for
@@ -39,8 +40,8 @@ def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) 
     zero_attn = _check_patterns(zero_attn)
     checkpoint = open_checkpoint(source)
     groups = find_attention_modules(checkpoint)
-    marked = _match_zero_attn(zero_attn, groups, source)
-    modules = tuple(_module_report(group, group.name in marked) for group in groups)
+    marked = _zero_attn_modules(zero_attn, groups, checkpoint)
+    modules = tuple(_module_report(group, group.name in marked, read=_reader(group)) for group in groups)
     return _report(checkpoint, "inspect", None, modules)
 
 
@@ -70,10 +71,10 @@ def migrate(
     groups = find_attention_modules(checkpoint)
     if not groups:
         raise ValueError(
-            f"{source}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
+            f"{shown(source)}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
             "q_proj_weight); nothing was written"
         )
-    marked = _match_zero_attn(zero_attn, groups, source)
+    marked = _zero_attn_modules(zero_attn, groups, checkpoint)
     plans = [
         plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
         for group in groups
@@ -83,31 +84,29 @@ def migrate(
         first = refused[0]
         others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ValueError(
-            f"{source}: {mode} cannot convert '{first.group.name}'{others} exactly: {first.refusal}; "
-            "nothing was written"
+            f"{shown(source)}: {mode} cannot convert '{shown(first.group.name)}'{others} exactly: "
+            f"{first.refusal}; nothing was written"
         )
     if not any(plan.changes for plan in plans):
-        state = "stock" if mode == "to-stock" else "slim"
-        raise ValueError(
-            f"{source}: nothing to do: all {len(plans)} attention modules are already in the {state} "
-            "layout; nothing was written"
-        )
+        raise ValueError(f"{shown(source)}: nothing to do: {_unchanged(plans)}; nothing was written")
 
     rewritten: dict[str, dict[str, torch.Tensor]] = {}  # module prefix -> its new tensors by local name
     modules = []
     for plan in plans:
         group = plan.group
-        tensors = migrated_tensors(plan, _reader(group)) if plan.changes else {}
-        error = _verify_module(plan, tensors) if verify and plan.changes else None
+        read = _reader(group)  # one module at a time: each of its tensors is read at most once
+        tensors = migrated_tensors(plan, read) if plan.changes else {}
+        error = _verify_module(plan, tensors, read) if verify and plan.changes else None
         rewritten[group.prefix] = tensors
-        modules.append(_module_report(group, plan.zero_attn, plan=plan, verify_error=error))
+        modules.append(_module_report(group, plan.zero_attn, plan=plan, verify_error=error, read=read))
 
     outputs = _output_files(checkpoint, plans, rewritten)
     metadata = {"slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": mode}
     if any(plan.fold_value for plan in plans):
         metadata["slim_mha.value_bias_folded"] = "eval-only"
-    if marked:
-        metadata["slim_mha.zero_attn_modules"] = ",".join(sorted(marked))
+    zero_attn_names = sorted(plan.group.name for plan in plans if plan.zero_attn)
+    if zero_attn_names:  # read back by the next run (_zero_attn_modules), so a round trip keeps the mark
+        metadata["slim_mha.zero_attn_modules"] = ",".join(zero_attn_names)
     output_tensors = sum(len(tensors) for _, tensors in outputs)
     output_bytes = sum(tensor.nbytes for _, tensors in outputs for tensor in tensors)
     if not dry_run:
@@ -172,34 +171,93 @@ def _check_destination(source: Path, kind: str, destination: Path, *, force: boo
             raise FileExistsError(f"{destination}: already exists; pass --force to replace it")
 
 
-def _match_zero_attn(patterns: tuple[str, ...], groups: list[AttentionGroup], source: Path) -> set[str]:
+def _zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint) -> set[str]:
+    """The modules marked add_zero_attn: by the user's patterns, and by the checkpoint's own metadata
+    (``slim_mha.zero_attn_modules``, written by an earlier run), which a round trip must not lose."""
+    source = checkpoint.source
     names = [group.name for group in groups]
-    marked: set[str] = set()
+    marked = _recorded_zero_attn(checkpoint, set(names))
     for pattern in patterns:
         hits = [name for name in names if fnmatch.fnmatchcase(name, pattern.rstrip("."))]
         if not hits:
-            example = f"; modules are named like '{names[0]}' (see inspect)" if names else ""
-            raise ValueError(f"{source}: --zero-attn '{pattern}' matches no attention module{example}")
+            example = f"; modules are named like '{shown(names[0])}' (see inspect)" if names else ""
+            raise ValueError(f"{shown(source)}: --zero-attn '{shown(pattern)}' matches no attention module{example}")
         marked.update(hits)
     return marked
+
+
+def _recorded_zero_attn(checkpoint: Checkpoint, names: set[str]) -> set[str]:
+    """What earlier runs recorded in the files' metadata; refuses a record that no longer fits the tensors."""
+    for where, value in checkpoint.recorded("slim_mha.format_version"):
+        if not (isinstance(value, str) and value.isdigit()):
+            raise ValueError(
+                f"{shown(where)}: metadata slim_mha.format_version is {shown(repr(value))}, not a number; the "
+                "metadata was edited: convert the original checkpoint instead"
+            )
+        if int(value) > FORMAT_VERSION:
+            raise ValueError(
+                f"{shown(where)}: written by a newer slim_mha (format version {value}; this one reads up to "
+                f"{FORMAT_VERSION}); upgrade slim_mha to convert it"
+            )
+    recorded: set[str] = set()
+    for where, value in checkpoint.recorded("slim_mha.zero_attn_modules"):
+        listed = value.split(",") if isinstance(value, str) else [value]
+        for name in listed:
+            if name not in names:
+                raise ValueError(
+                    f"{shown(where)}: its metadata marks {shown(repr(name))} as an add_zero_attn module "
+                    "(slim_mha.zero_attn_modules), but no attention module has that name: the tensors were "
+                    "renamed after slim_mha wrote them; convert the original checkpoint, with --zero-attn"
+                )
+            recorded.add(name)
+    return recorded
+
+
+def _unchanged(plans: list[ModulePlan]) -> str:
+    """Why no module changes, in the words of each plan's action (those inspect prints)."""
+    state = "stock" if plans[0].mode == "to-stock" else "slim"
+    reasons = {"already": 0, "no input bias": 0}
+    for plan in plans:
+        reasons["no input bias" if "no input bias" in plan.action else "already"] += 1
+    if len(plans) == 1:
+        return (
+            f"its attention module '{shown(plans[0].group.name)}' "
+            + ("has no input biases (bias=False)" if reasons["no input bias"] else f"is already in the {state} layout")
+        )
+    if not reasons["no input bias"]:
+        return f"all {len(plans)} attention modules are already in the {state} layout"
+    if not reasons["already"]:
+        return f"none of its {len(plans)} attention modules has input biases (bias=False)"
+    return (
+        f"of its {len(plans)} attention modules, {reasons['already']} are already in the {state} layout and "
+        f"{reasons['no input bias']} have no input biases (bias=False)"
+    )
 
 
 # ------------------------------------------------------------------------------------ per module
 
 
-def _reader(group: AttentionGroup):
-    return lambda local: group.records[local].read()
+def _reader(group: AttentionGroup) -> Callable[[str], torch.Tensor]:
+    """``read(local)``: the module's tensor, read from disk on first use only. Planning, verifying and
+    reporting all ask for the same few tensors; reading each once keeps a run linear in its tensors."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def read(local: str) -> torch.Tensor:
+        if local not in cache:
+            cache[local] = group.records[local].read()
+        return cache[local]
+
+    return read
 
 
-def _verify_module(plan: ModulePlan, rewritten: dict) -> float:
+def _verify_module(plan: ModulePlan, rewritten: dict, read: Callable[[str], torch.Tensor]) -> float:
     group = plan.group
     kept = {local: record for local, record in group.records.items() if local not in plan.removed}
     tolerance, dtype = tolerance_for(
         [FLOAT_DTYPES[kept[local].dtype] for local in kept if local not in rewritten]
         + [tensor.dtype for tensor in rewritten.values()]
     )
-    # Widen as each tensor is read, so that only one float64 copy of the weights is held at a time.
-    original = {local: record.read().to(torch.float64) for local, record in group.records.items()}
+    original = {local: read(local).to(torch.float64) for local in group.records}
     migrated = {local: original[local] for local in kept}
     migrated.update(rewritten)
     error = module_output_error(
@@ -211,12 +269,17 @@ def _verify_module(plan: ModulePlan, rewritten: dict) -> float:
 
 
 def _module_report(
-    group: AttentionGroup, zero_attn: bool, *, plan: ModulePlan | None = None, verify_error: float | None = None
+    group: AttentionGroup,
+    zero_attn: bool,
+    *,
+    read: Callable[[str], torch.Tensor],
+    plan: ModulePlan | None = None,
+    verify_error: float | None = None,
 ) -> ModuleReport:
     actions = {
         mode: plan_module(group, mode, zero_attn=zero_attn).action for mode in MODES
     }
-    key_bias, key_bias_max = _key_bias(group)
+    key_bias, key_bias_max = _key_bias(group, read)
     return ModuleReport(
         name=group.name,
         layout=group.layout,
@@ -238,12 +301,12 @@ def _module_report(
     )
 
 
-def _key_bias(group: AttentionGroup) -> tuple[str, float | None]:
+def _key_bias(group: AttentionGroup, read: Callable[[str], torch.Tensor]) -> tuple[str, float | None]:
     if "in_proj_bias" in group:
         embed_dim = group.embed_dim
-        key_bias = group.records["in_proj_bias"].read()[embed_dim : 2 * embed_dim]
+        key_bias = read("in_proj_bias")[embed_dim : 2 * embed_dim]
     elif "k_proj_bias" in group:
-        key_bias = group.records["k_proj_bias"].read()
+        key_bias = read("k_proj_bias")
     else:
         return ("dropped" if group.is_slim else "absent"), None
     largest = float(key_bias.float().abs().max())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._checkpoint import FLOAT_DTYPES, Checkpoint, TensorRecord
+from ._text import shown
 
 # Names that only attention modules use: any of them starts a group that must fit.
 _ANCHORS = (
@@ -58,9 +59,9 @@ class AttentionGroup:
         return self.prefix + local
 
     def where(self, local: str) -> str:
-        """``'P.local' in FILE``, for error messages."""
+        """``'P.local' in FILE``, for error messages (control characters escaped)."""
         record = self.records.get(local) or next(iter(self.records.values()))
-        return f"'{self.key(local)}' in {record.shard.path}"
+        return f"'{shown(self.key(local))}' in {shown(record.shard.path)}"
 
     @property
     def has_bias(self) -> bool:
@@ -113,8 +114,8 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
     def fail(local: str, problem: str) -> ValueError:
         record = records.get(local) or records[next(name for name in _ANCHORS if name in records)]
         return ValueError(
-            f"{record.shard.path}: '{prefix}{local}' {problem}; the tensors under '{prefix}' do not fit "
-            "nn.MultiheadAttention, so nothing was changed: fix or rename them"
+            f"{shown(record.shard.path)}: '{shown(prefix + local)}' {shown(problem)}; the tensors under "
+            f"'{shown(prefix)}' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
         )
 
     separate = [name for name in _SEPARATE if name in records]

@@ -18,6 +18,7 @@ from slim_mha.bias import SlimBiases, fold_key_bias, fold_value_bias, keeps_key_
 
 from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
+from ._text import shown
 
 MODES = ("strip", "fold", "to-stock")
 _WIDE = torch.float64
@@ -58,7 +59,7 @@ def plan_module(group: AttentionGroup, mode: str, *, zero_attn: bool, fold_value
     zero_attn = zero_attn or "k_proj_bias" in group
     if zero_attn and group.is_slim and "k_proj_bias" not in group:
         raise ValueError(
-            f"{group.where('q_proj_bias')}: '{group.name}' is marked add_zero_attn but has no k_proj_bias; "
+            f"{group.where('q_proj_bias')}: '{shown(group.name)}' is marked add_zero_attn but has no k_proj_bias; "
             "a slim add_zero_attn module keeps its key bias, so this checkpoint lost it when it was "
             "converted without the mark: convert the original stock checkpoint again with --zero-attn"
         )

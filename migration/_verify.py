@@ -14,6 +14,8 @@ from torch import Tensor, nn
 
 from slim_mha import SlimMultiheadAttention
 
+from ._text import shown
+
 # Largest relative output error accepted, by the least precise dtype the migrated module stores (the
 # project's table). Folding rounds bias_k - b_k (and out_proj.bias + W_o b_v) once to that dtype;
 # everything else is copied exactly, and the comparison itself runs in float64. Honest folds of random
@@ -74,7 +76,7 @@ def check_module_error(error: float, tolerance: float, *, module: str, where: st
     """Raise when the measured error exceeds the tolerance; the message names the module and its file."""
     if not error <= tolerance:  # also catches NaN
         raise RuntimeError(
-            f"{where}: --verify failed for '{module}': the migrated module's output differs from the "
+            f"{shown(where)}: --verify failed for '{shown(module)}': the migrated module's output differs from the "
             f"original's by {error:.3g} (relative), more than the {tolerance:g} allowed for {dtype}; "
             "nothing was written"
         )

@@ -1,9 +1,15 @@
-"""What a migration found and did: plain dataclasses, and one function that turns them into text."""
+"""What a migration found and did: plain dataclasses, and one function that turns them into text.
+
+The dataclasses hold names as the checkpoint spells them; the text shows control and escape
+characters escaped (see :mod:`._text`), so that a name cannot rewrite the user's terminal.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from ._text import shown
 
 __all__ = ["ModuleReport", "MigrationReport", "format_report"]
 
@@ -68,7 +74,7 @@ def format_report(report: MigrationReport) -> str:
     else:
         lines = _format_migration(report)
     lines += [f"note: {note}" for note in report.notes]
-    return "\n".join(lines)
+    return "\n".join(shown(line) for line in lines)
 
 
 def _format_inspect(report: MigrationReport) -> list[str]:

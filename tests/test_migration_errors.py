@@ -69,7 +69,8 @@ def test_unsupported_format(tmp_path):
         fold_checkpoint(path, tmp_path / "out.safetensors")
     assert str(caught.value) == (
         f"{path}: unsupported input format; expected a .safetensors file, a directory with "
-        "model.safetensors.index.json, an *.index.json file, or a .pt/.pth/.bin state dict"
+        "model.safetensors.index.json or pytorch_model.bin.index.json, an *.index.json file, or a "
+        ".pt/.pth/.bin/.ckpt state dict"
     )
 
 
@@ -78,8 +79,8 @@ def test_directory_without_a_checkpoint(tmp_path):
     with pytest.raises(ValueError) as caught:
         inspect_checkpoint(tmp_path / "empty")
     assert str(caught.value) == (
-        f"{tmp_path / 'empty'}: directory has neither model.safetensors.index.json nor model.safetensors; "
-        "pass the checkpoint file or its index instead"
+        f"{tmp_path / 'empty'}: directory has none of model.safetensors.index.json, model.safetensors, "
+        "pytorch_model.bin.index.json or pytorch_model.bin; pass the checkpoint file or its index instead"
     )
 
 
@@ -320,10 +321,10 @@ def test_already_converted_has_nothing_to_do(tmp_path, stock_file):
     with pytest.raises(ValueError) as caught:
         to_stock_checkpoint(stock_file, tmp_path / "out.safetensors")
     assert str(caught.value) == (
-        f"{stock_file}: nothing to do: all 1 attention modules are already in the stock layout; nothing was written"
+        f"{stock_file}: nothing to do: its attention module 'attn' is already in the stock layout; nothing was written"
     )
     fold_checkpoint(stock_file, tmp_path / "slim.safetensors")
-    with pytest.raises(ValueError, match="are already in the slim layout; nothing was written"):
+    with pytest.raises(ValueError, match="is already in the slim layout; nothing was written"):
         fold_checkpoint(tmp_path / "slim.safetensors", tmp_path / "again.safetensors")
 
 
