@@ -3,6 +3,7 @@
 from .attention import SlimMultiheadAttention
 from .convert import convert, fold_value_bias, to_stock
 from .patching import is_patched, patch, patched, unpatch
+from ._unread_weights import UnreadWeightsReport, UnreadWeightsSite, unread_weights_report
 from .equivariance import (
     EquivarianceError,
     assert_permutation_equivariant,
@@ -21,6 +22,9 @@ __all__ = [
     "convert",
     "to_stock",
     "fold_value_bias",
+    "unread_weights_report",
+    "UnreadWeightsReport",
+    "UnreadWeightsSite",
     "EquivarianceError",
     "checking_equivariance",
     "assert_permutation_equivariant",

@@ -13,6 +13,7 @@ from torch.nn.parameter import Parameter
 from ._explicit_attention import attention_with_weights
 from .bias import SlimBiases, fold_key_bias, keeps_key_bias, unfold_key_bias
 from .equivariance import _mode as _equivariance
+from . import _unread_weights
 
 __all__ = ["SlimMultiheadAttention"]
 
@@ -36,7 +37,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
     and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
-    turn on the per-call permutation-equivariance assertion of :mod:`slim_mha.equivariance`.
+    turn on the per-call permutation-equivariance assertion of :mod:`slim_mha.equivariance`;
+    ``skip_unread_weights=True`` skips the weights of calls whose caller provably discards them
+    (``attn(q, k, v)[0]``, ``out, _ = attn(q, k, v)``), see :mod:`slim_mha._unread_weights`.
 
     State-dict layout (a stable format, version 1), per module prefix:
 
@@ -74,6 +77,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     # Class-level defaults so that modules pickled before these options existed still run.
     check_equivariance: bool | None = None
     check_equivariance_every: int = 1
+    skip_unread_weights: bool = False
 
     def __init__(
         self,
@@ -91,6 +95,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         *,
         check_equivariance: bool | None = None,
         check_equivariance_every: int = 1,
+        skip_unread_weights: bool = False,
     ) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(
@@ -105,6 +110,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         self.check_equivariance, self.check_equivariance_every = _equivariance.resolve_options(
             check_equivariance, check_equivariance_every
         )
+        # Skip weights the caller provably discards (see slim_mha._unread_weights).
+        self.skip_unread_weights = _unread_weights.resolve_option(skip_unread_weights)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -244,6 +251,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
+        if need_weights and self.skip_unread_weights and _unread_weights.weights_discarded(self, query):
+            need_weights = False  # the caller drops them: compute what need_weights=False computes
         if query.is_nested or key.is_nested or value.is_nested:
             # Only stock's native kernel takes nested tensors; it reads our computed in_proj_bias.
             return super().forward(

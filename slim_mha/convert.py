@@ -20,12 +20,14 @@ Only modules whose type is exactly the stock class (for ``convert``) or exactly 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.parameter import Parameter
 
+from . import _unread_weights
 from .attention import SlimMultiheadAttention
 from .bias import SlimBiases, unfold_key_bias
 from .bias import fold_value_bias as _fold_value_bias_tensors
@@ -52,15 +54,17 @@ _HOOK_ATTRIBUTES = (
 )
 
 
-def convert(module: nn.Module) -> nn.Module:
+def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Module:
     """Replace every stock ``nn.MultiheadAttention`` in ``module``'s tree by a slim one, in place.
 
     The function computed is unchanged (the key bias is folded as in ``load_state_dict``).
+    ``skip_unread_weights`` is given to the slim modules built (modules already slim keep theirs).
 
     Returns:
         ``module``, or the new slim module when ``module`` itself is a stock attention module.
     """
-    return _swap_modules(module, _is_stock, _build_slim)
+    skip = _unread_weights.resolve_option(skip_unread_weights)
+    return _swap_modules(module, _is_stock, functools.partial(_build_slim, skip_unread_weights=skip))
 
 
 def to_stock(module: nn.Module) -> nn.Module:
@@ -153,7 +157,7 @@ def _swap_modules(
     return root
 
 
-def _build_slim(stock: nn.MultiheadAttention) -> SlimMultiheadAttention:
+def _build_slim(stock: nn.MultiheadAttention, *, skip_unread_weights: bool = False) -> SlimMultiheadAttention:
     slim = SlimMultiheadAttention(
         stock.embed_dim,
         stock.num_heads,
@@ -165,6 +169,7 @@ def _build_slim(stock: nn.MultiheadAttention) -> SlimMultiheadAttention:
         vdim=stock.vdim,
         batch_first=stock.batch_first,
         device="meta",  # no allocation or random draws: every tensor is assigned below
+        skip_unread_weights=skip_unread_weights,
     )
     flags = {name: parameter.requires_grad for name, parameter in stock.named_parameters()}
     packed_flag = flags.get("in_proj_bias", True)  # the split biases inherit the packed one's flag

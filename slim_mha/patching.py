@@ -33,10 +33,17 @@ Patching is reference counted and guarded by one lock, so it is thread-safe and 
 ``patch()`` holds the patch until ``unpatch()``, each open ``with patched():`` block holds it until
 the block exits, and the stock class comes back when nothing holds it. ``patch()`` and
 ``unpatch()`` are idempotent.
+
+``skip_unread_weights`` (see :class:`~slim_mha.SlimMultiheadAttention`): ``patch()`` and ``patched()``
+take it too, as the default for modules built while patched that do not pass it themselves. The
+most recent holder that gave a value decides (a ``with patched(skip_unread_weights=False):`` block
+inside ``patch(skip_unread_weights=True)`` builds modules without it); holders that gave none leave
+it alone; with no value anywhere it is off. Like the patch itself, it is process-wide.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Iterator
@@ -90,6 +97,11 @@ class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockI
 
     _accepts_stock = True
 
+    @functools.wraps(SlimMultiheadAttention.__init__)
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("skip_unread_weights", _skip_unread_weights_while_patched())
+        super().__init__(*args, **kwargs)
+
 
 class _PatchState:
     """Who holds the patch, and every binding it replaced. Guarded by ``_LOCK``."""
@@ -98,6 +110,16 @@ class _PatchState:
         self.held_by_patch_call = False
         self.open_blocks = 0
         self.replaced: list[tuple[dict, str]] = []  # (module namespace, name) now bound to ours
+        self.skip_requests: list[tuple[object, bool]] = []  # (holder, skip_unread_weights), oldest first
+
+    def request_skip(self, holder: object, skip_unread_weights: bool | None) -> None:
+        """Record a holder's ``skip_unread_weights`` as the most recent (``None``: no preference)."""
+        if skip_unread_weights is not None:
+            self.drop_skip(holder)
+            self.skip_requests.append((holder, skip_unread_weights))
+
+    def drop_skip(self, holder: object) -> None:
+        self.skip_requests = [request for request in self.skip_requests if request[0] is not holder]
 
     @property
     def wanted(self) -> bool:
@@ -110,17 +132,33 @@ class _PatchState:
 
 _LOCK = threading.RLock()
 _STATE = _PatchState()
+_PATCH_CALL = object()  # the holder that patch() and unpatch() stand for
 
 
-def patch() -> None:
+def _skip_unread_weights_while_patched() -> bool:
+    with _LOCK:
+        return _STATE.skip_requests[-1][1] if _STATE.skip_requests else False
+
+
+def _check_skip_option(skip_unread_weights: object) -> None:
+    if skip_unread_weights is not None and not isinstance(skip_unread_weights, bool):
+        raise ValueError(
+            f"skip_unread_weights must be True, False or None (no preference), got {skip_unread_weights!r}"
+        )
+
+
+def patch(*, skip_unread_weights: bool | None = None) -> None:
     """Make ``torch.nn.MultiheadAttention`` (and every binding of it by that name) build slim modules.
 
-    Idempotent: a second call changes nothing. Holds the patch until :func:`unpatch`.
+    Idempotent: a second call changes nothing but a ``skip_unread_weights`` it gives. Holds the
+    patch until :func:`unpatch`. ``skip_unread_weights`` is the default for modules built while
+    patched (``None``: no preference; see the module docstring).
 
     Raises:
         RuntimeError: if ``torch.nn.MultiheadAttention`` (or one of torch's other required names)
             is neither the stock class nor ours, i.e. another library has patched it.
     """
+    _check_skip_option(skip_unread_weights)
     with _LOCK:
         _STATE.held_by_patch_call = True
         try:
@@ -128,6 +166,7 @@ def patch() -> None:
         except BaseException:
             _STATE.held_by_patch_call = False
             raise
+        _STATE.request_skip(_PATCH_CALL, skip_unread_weights)
 
 
 def unpatch() -> None:
@@ -137,12 +176,15 @@ def unpatch() -> None:
     """
     with _LOCK:
         _STATE.held_by_patch_call = False
+        _STATE.drop_skip(_PATCH_CALL)
         _apply(_STATE)
 
 
 @contextmanager
-def patched() -> Iterator[None]:
+def patched(*, skip_unread_weights: bool | None = None) -> Iterator[None]:
     """Patch for the duration of a ``with`` block (or a decorated function); blocks nest and compose.
+
+    ``skip_unread_weights`` is the default for modules built in the block (``None``: no preference).
 
     Example::
 
@@ -150,6 +192,8 @@ def patched() -> Iterator[None]:
             model = torch.nn.TransformerEncoder(layer, num_layers=6)  # slim attention inside
         # the stock class is back here, unless patch() or another open block still holds it
     """
+    _check_skip_option(skip_unread_weights)
+    block = object()
     with _LOCK:
         _STATE.open_blocks += 1
         try:
@@ -157,11 +201,13 @@ def patched() -> Iterator[None]:
         except BaseException:
             _STATE.open_blocks -= 1
             raise
+        _STATE.request_skip(block, skip_unread_weights)
     try:
         yield
     finally:
         with _LOCK:
             _STATE.open_blocks -= 1
+            _STATE.drop_skip(block)
             _apply(_STATE)
 
 
