@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -339,8 +343,129 @@ def test_a_break_between_submodules_is_blamed_on_the_forward_code():
     with pytest.raises(EquivarianceError) as caught:
         assert_permutation_equivariant(InlinePositions(), tokens(B, N, D))
     message = str(caught.value)
-    assert caught.value.module_name == "after"  # the first submodule that sees it
-    assert "'after' (Linear, call 1), after 1 submodule call that kept it" in message
+    assert caught.value.module_name == ""  # the checked module's own code, not 'after' that receives it
+    assert "the break is in the code in `InlinePositions.forward` before `before`" not in message
+    line = _line_of(InlinePositions.forward, "return self.after(")
+    assert f"the break is in the code in `InlinePositions.forward` between `before` (call 1) and `after` (call 1) (" \
+        f"{_path()}, line {line})" in message
+    assert "    'after' (Linear, call 1) receives an input that is neither unchanged nor permuted along its token " \
+        "axes, after 1 submodule call that kept it: its input (2, 6, 5), closest reading" in message
+    assert "first submodule" not in message
+
+
+def _line_of(function, text: str) -> int:
+    """The line number of the first line of ``function`` that contains ``text``."""
+    source, first = inspect.getsourcelines(function)
+    return first + next(index for index, line in enumerate(source) if text in line)
+
+
+def _path() -> str:
+    return os.path.relpath(__file__)
+
+
+class InlineViT(nn.Module):
+    """ViT-style: the position table is added inline in forward, not by a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D, D).double()
+        self.pos = nn.Parameter(torch.randn(N, D, dtype=torch.float64))
+        self.attn = SlimMultiheadAttention(D, 1, batch_first=True).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_an_inline_position_embedding_is_blamed_on_forward_not_on_the_attention():
+    torch.manual_seed(0)
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(InlineViT(), tokens(B, N, D))
+    error = caught.value
+    first, last = _line_of(InlineViT.forward, "h = self.embed(x)"), _line_of(InlineViT.forward, "self.attn(h")
+    culprit = error.result.culprit()
+    assert (culprit.kind, culprit.module_name, culprit.submodule.name) == ("code", "", "attn")
+    assert culprit.code == "the code in `InlineViT.forward` between `embed` (call 1) and `attn` (call 1)"
+    assert culprit.location == f"{_path()}, lines {first}-{last}"
+    assert error.module_name == ""
+    message = str(error)
+    assert f"  the break is in {culprit.code} ({culprit.location})" in message
+    assert "'attn' (SlimMultiheadAttention, call 1) receives an input that is neither unchanged nor permuted" in message
+    assert "its query (2, 6, 5), closest reading" in message
+    assert "first submodule" not in message  # the attention is innocent
+    # Once the table is its own module, that module is named, as before.
+    torch.manual_seed(0)
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(Encoder(with_positions=True), tokens(B, N, D))
+    assert caught.value.module_name == "positions" and caught.value.result.culprit().kind == "submodule"
+
+
+def test_the_same_model_without_positions_passes():
+    model = InlineViT()
+    with torch.no_grad():
+        model.pos.zero_()
+    assert_permutation_equivariant(model, tokens(B, N, D))
+
+
+def test_a_break_inside_a_submodule_names_that_submodule_and_its_code():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D).double(), InlineViT())
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(model, tokens(B, N, D))
+    culprit = caught.value.result.culprit()
+    assert caught.value.module_name == "1"  # the InlineViT whose forward holds the code
+    assert culprit.code == "the code in `InlineViT.forward` between `1.embed` (call 1) and `1.attn` (call 1)"
+    assert "after 2 submodule calls that kept it" in str(caught.value)  # 0 and 1.embed
+
+
+class PositionsBeforeTheFirstCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(D, D).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1)
+        return self.layer(x + positions)
+
+
+def test_a_break_before_the_first_call_is_blamed_on_the_code_before_it():
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(PositionsBeforeTheFirstCall(), tokens(B, N, D))
+    culprit = caught.value.result.culprit()
+    first = PositionsBeforeTheFirstCall.forward.__code__.co_firstlineno
+    last = _line_of(PositionsBeforeTheFirstCall.forward, "return self.layer(")
+    assert culprit.code == "the code in `PositionsBeforeTheFirstCall.forward` before `layer` (call 1)"
+    assert culprit.location == f"{_path()}, lines {first}-{last}"
+    assert "after 0 submodule calls that kept it" in str(caught.value)
+
+
+class SplitAcrossMethods(nn.Module):
+    """The embedding runs in forward, the attention in a helper method (as in nn.TransformerDecoderLayer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D, D).double()
+        self.attn = SlimMultiheadAttention(D, 1, batch_first=True).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self._block(h + torch.linspace(0, 1, x.shape[1], dtype=x.dtype).view(1, -1, 1))
+
+    def _block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_code_spread_over_two_functions_names_both_calls_and_places():
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(SplitAcrossMethods(), tokens(B, N, D))
+    culprit = caught.value.result.culprit()
+    embed_line = _line_of(SplitAcrossMethods.forward, "h = self.embed(x)")
+    attn_line = _line_of(SplitAcrossMethods._block, "return self.attn(")
+    assert culprit.code == (
+        f"the code between `embed` (call 1), called in `SplitAcrossMethods.forward` ({_path()}, line {embed_line}), "
+        "and `attn` (call 1), called in `SplitAcrossMethods._block`"
+    )
+    assert culprit.location == f"{_path()}, line {attn_line}"
 
 
 class BrokenOutputOnly(nn.Module):
@@ -353,9 +478,26 @@ class BrokenOutputOnly(nn.Module):
 
 
 def test_no_submodule_breaks_it_points_at_the_modules_own_forward():
-    expected = r"no submodule call breaks it \(1 compared\): the break is in BrokenOutputOnly's own forward code"
-    with pytest.raises(EquivarianceError, match=expected):
+    first = _line_of(BrokenOutputOnly.forward, "return self.layer(x)")
+    expected = (
+        r"no submodule call breaks it \(1 compared\): the break is in BrokenOutputOnly's own forward code, between "
+        r"its submodules or after them: the code in `BrokenOutputOnly.forward` after `layer` \(call 1\) \("
+        + re.escape(f"{_path()}, line {first})")
+    )
+    with pytest.raises(EquivarianceError, match=expected) as caught:
         assert_permutation_equivariant(BrokenOutputOnly(), tokens(B, N, D))
+    assert caught.value.module_name == ""
+
+
+def test_a_submodule_whose_own_code_breaks_it_after_its_submodules_is_named_with_that_code():
+    model = nn.Sequential(nn.Linear(D, D).double(), BrokenOutputOnly())
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(model, tokens(B, N, D))
+    assert caught.value.module_name == "1"
+    line = _line_of(BrokenOutputOnly.forward, "return self.layer(x)")
+    assert "'1' (BrokenOutputOnly, call 1), after 2 submodule calls that kept it" in str(caught.value)
+    assert (f"    its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
+            f"`1.layer` (call 1) ({_path()}, line {line})") in str(caught.value)
 
 
 class SharedLayer(nn.Module):
@@ -368,8 +510,13 @@ class SharedLayer(nn.Module):
 
 
 def test_a_shared_submodule_is_reported_by_its_call():
-    with pytest.raises(EquivarianceError, match=r"'layer' \(Linear, call 2\), after 1 submodule call that kept it"):
+    expected = r"the code in `SharedLayer.forward` between `layer` \(call 1\) and `layer` \(call 2\)"
+    with pytest.raises(EquivarianceError, match=expected):
         assert_permutation_equivariant(SharedLayer(), tokens(B, N, D))
+    shared = nn.Sequential(nn.Linear(D, D).double(), PositionEmbedding(N, D))
+    model = nn.Sequential(shared, shared)  # the second call of the table breaks it again: the first is named
+    with pytest.raises(EquivarianceError, match=r"'0.1' \(PositionEmbedding, call 1\), after 1 submodule call"):
+        assert_permutation_equivariant(model, tokens(B, N, D))
 
 
 def test_a_bound_method_of_a_module_is_searched_and_module_can_be_given():

@@ -10,10 +10,12 @@ import inspect
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -304,9 +306,64 @@ def test_environment_variable_values(value, every):
     assert (_mode._environment_scope.every if _mode._environment_scope else None) == every
 
 
-def test_environment_variable_rejects_other_values():
-    with pytest.raises(ValueError, match=r"SLIM_MHA_CHECK_EQUIVARIANCE='maybe' is not understood: use 1 to check"):
-        _mode._configure_environment("maybe")
+ACCEPTED = (
+    r"SLIM_MHA_CHECK_EQUIVARIANCE='yes2' is not understood: use 1 \(or true, yes, on\) to check every slim "
+    r"attention call, N > 1 to check every N-th call of each module, or 0 \(or false, no, off, or unset\) "
+    r"to turn checking off$"
+)
+
+
+def test_a_bad_environment_value_is_reported_at_first_use_not_when_configured(checks):
+    _mode._configure_environment("yes2")  # what importing slim_mha does: it must not raise
+    assert _mode.SWITCH.active  # so that the next call comes to the check and reports it
+    module = build(Case())
+    for _ in range(2):  # every call that follows the variable says so, not just the first
+        with pytest.raises(ValueError, match=ACCEPTED):
+            module(**make_inputs(Case()))
+    build(Case(), check_equivariance=False)(**make_inputs(Case()))  # opted out: the variable is not read
+    with checking_equivariance():  # a scope decides for itself: the variable is not read
+        module(**make_inputs(Case()))
+    assert checks == [module]
+
+
+@pytest.mark.parametrize("value", ["yes2", "-1", "1.5", "every"])
+def test_environment_values_that_are_not_understood(value):
+    _mode._configure_environment(value)
+    with pytest.raises(ValueError, match=rf"SLIM_MHA_CHECK_EQUIVARIANCE={value!r} is not understood"):
+        build(Case())(**make_inputs(Case()))
+
+
+def test_a_zero_written_with_leading_zeros_is_off():
+    _mode._configure_environment("00")
+    assert _mode.SWITCH.active is False and _mode._environment_scope is None
+
+
+def test_a_bad_environment_value_fails_no_import_and_no_cli():
+    # A fresh interpreter: importing slim_mha (and the migration CLI's --help) must work, and the
+    # first attention call gives the one-line error, not a traceback from the import.
+    code = textwrap.dedent(
+        """
+        import contextlib, io, torch
+        import slim_mha
+        from slim_mha.migration.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as help_text:
+            try:
+                main(["--help"])
+            except SystemExit as stop:
+                assert stop.code == 0, stop.code
+        assert "usage" in help_text.getvalue()
+        x = torch.randn(2, 5, 8)
+        try:
+            slim_mha.SlimMultiheadAttention(8, 2, batch_first=True)(x, x, x)
+        except ValueError as error:
+            print(error)
+        """
+    )
+    environment = {**os.environ, ENVIRONMENT_VARIABLE: "yes2"}
+    completed = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                               timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert re.fullmatch(ACCEPTED.replace("$", ""), completed.stdout.strip())
 
 
 def test_environment_variable_switches_every_module_on(checks):
@@ -435,15 +492,79 @@ def test_error_survives_pickling():
     assert torch.equal(copy.permutations["query"], caught.value.permutations["query"])
 
 
-def test_is_causal_is_order_dependent_by_construction():
-    case = Case(kind="self")
+class PositionalBias(SlimMultiheadAttention):
+    """Adds a bias by query/key distance (ALiBi-like) to the mask: a mask that does not follow the tokens."""
+
+    def _attend(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
+        axis = _token_axis(self, query)
+        rows = torch.arange(query.shape[axis], dtype=query.dtype)
+        columns = torch.arange(key.shape[axis], dtype=query.dtype)
+        bias = -(rows.view(-1, 1) - columns.view(1, -1)).abs()  # (L, S), fixed by position
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(attn_mask, float("-inf"))
+        attn_mask = bias if attn_mask is None else attn_mask + bias
+        return super()._attend(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, False)
+
+
+def causal_inputs(case: Case, mask_dtype: torch.dtype | None = None, **overrides) -> dict:
     inputs = make_inputs(case)
-    inputs.update(attn_mask=nn.Transformer.generate_square_subsequent_mask(L_TGT, dtype=case.dtype), is_causal=True)
-    inputs["need_weights"] = False
-    with pytest.raises(EquivarianceError, match=r"is_causal=True, which is order-dependent by construction"):
+    inputs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L_TGT, dtype=mask_dtype or case.dtype)
+    if mask_dtype == torch.bool:
+        inputs["attn_mask"] = inputs["attn_mask"].isinf()
+    inputs.update(is_causal=True, need_weights=False)
+    inputs.update(overrides)
+    return inputs
+
+
+@pytest.mark.parametrize(
+    "case, options",
+    [
+        (Case(kind="self"), {}),  # the hint path: SDPA's causal kernel, no mask
+        (Case(kind="self", batch_first=False), dict(need_weights=True)),  # weights: the mask is used
+        (Case(kind="self", key_padding_mask=True, mask_kind="float"), {}),  # padding: the mask is used
+        (Case(kind="self", training=True), {}),  # dropout: a dropout-free reference is recomputed
+        (Case(kind="self", dtype=torch.float32, appended="both"), dict(mask_dtype=torch.bool)),
+        (Case(kind="self", batched=False), {}),
+    ],
+    ids=str,
+)
+def test_a_causal_call_with_a_mask_is_checked_with_the_mask_following_the_tokens(case, options, checks):
+    inputs = causal_inputs(case, **options)
+    module = build(case, check_equivariance=True)
+    module(**inputs)
+    assert checks == [module]
+    with pytest.raises(EquivarianceError, match=r"PositionalBias\(.*\) .*is not permutation-equivariant on this call"):
+        build(case, PositionalBias, check_equivariance=True)(**inputs)
+
+
+def test_a_causal_call_reports_its_hint():
+    with pytest.raises(EquivarianceError) as caught:
+        build(Case(kind="self"), PositionalBias, check_equivariance=True)(**causal_inputs(Case(kind="self")))
+    assert "is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal one shows up " \
+        "here as a break)" in str(caught.value)
+
+
+def test_a_hint_that_does_not_match_the_mask_is_caught():
+    # is_causal=True with a mask that is not causal: stock and slim use the causal kernel and ignore
+    # the mask, so the output is not f(x, M); the check, which follows the mask, sees it.
+    case = Case(kind="self")
+    inputs = causal_inputs(case, attn_mask=torch.zeros(L_TGT, L_TGT, dtype=case.dtype))
+    with pytest.raises(EquivarianceError, match=r"is_causal=True \(a hint"):
         build(case, check_equivariance=True)(**inputs)
-    with checking_equivariance():
-        build(case, check_equivariance=False)(**inputs)  # the way out: exempt the module
+
+
+def test_is_causal_without_a_mask_has_nothing_to_permute():
+    # Stock's rules reject is_causal=True without a mask before any check; a direct call still refuses.
+    case = Case(kind="self")
+    module = build(case, check_equivariance=True)
+    inputs = make_inputs(case)
+    with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
+        module(**{**inputs, "is_causal": True})
+    query = inputs["query"]
+    result = module(query, query, query, need_weights=False)
+    with pytest.raises(EquivarianceError, match=r"is_causal=True and no attn_mask, which is order-dependent by "
+                                                r"construction .* Pass the causal mask as attn_mask"):
+        _mode.check_call(module, result, query, query, query, None, False, None, True, True)
 
 
 def test_an_explicit_causal_mask_is_permuted_with_its_tokens(checks):
@@ -453,6 +574,62 @@ def test_an_explicit_causal_mask_is_permuted_with_its_tokens(checks):
     inputs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L_TGT, dtype=case.dtype)
     build(case, check_equivariance=True)(**inputs)
     assert len(checks) == 1
+
+
+# --------------------------------------------------------------------------------- silent no-ops
+
+
+def stock_model() -> nn.Module:
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, batch_first=True), 2, enable_nested_tensor=False)
+
+
+def test_a_model_without_slim_attention_warns_once_and_points_to_patch_and_convert():
+    model = stock_model()
+    expected = (
+        r"^checking_equivariance\(model\): TransformerEncoder has nothing to check: its 2 nn.MultiheadAttention "
+        r"modules are stock and only slim attention checks its calls; build the model inside `with "
+        r"slim_mha.patched\(\):` \(or after slim_mha.patch\(\)\), or convert it with slim_mha.convert\(model\)$"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with checking_equivariance(model):
+                model(torch.randn(BATCH, L_TGT, E))
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    assert re.match(expected, str(caught[0].message))
+    assert caught[0].filename == __file__  # points at the `with` line, not at slim_mha
+    with pytest.raises(ValueError, match=expected):
+        with checking_equivariance(model, strict=True):
+            pass
+    assert _mode.SWITCH.active is False
+
+
+def test_a_model_without_any_attention_and_one_whose_modules_opted_out_warn_too():
+    with pytest.warns(UserWarning, match=r"Linear has nothing to check: it has no attention module and only slim"):
+        with checking_equivariance(nn.Linear(E, E)):
+            pass
+    model = nn.Sequential(build(Case(), check_equivariance=False), build(Case(), check_equivariance=False))
+    expected = r"Sequential has nothing to check: all its 2 slim attention modules opted out with check_equivariance"
+    with pytest.raises(ValueError, match=expected):
+        with checking_equivariance(model, strict=True):
+            pass
+    with pytest.raises(ValueError, match=r"strict must be True or False, got 'yes'"):
+        with checking_equivariance(model, strict="yes"):
+            pass
+
+
+def test_patched_and_converted_models_do_not_warn(checks):
+    import slim_mha
+
+    with slim_mha.patched():
+        patched = stock_model()
+    converted = slim_mha.convert(stock_model())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model in (patched, converted):
+            with checking_equivariance(model, strict=True):
+                model(torch.randn(BATCH, L_TGT, E))
+    assert len(checks) == 4
 
 
 # ----------------------------------------------------------------------------- no side effects
@@ -574,6 +751,23 @@ def test_compiled_module_skips_the_check_and_keeps_fullgraph(checks):
     assert checks == []
     torch.testing.assert_close(output, module(x, x, x, need_weights=False)[0])
     assert len(checks) == 1  # eager calls still check
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # functorch's fallback for SDPA
+def test_functorch_transforms_skip_the_check(checks):
+    module = build(Case(kind="self", dtype=torch.float32), check_equivariance=True)
+    x = torch.randn(2, BATCH, L_TGT, E)
+    attend = lambda x: module(x, x, x, need_weights=False)[0]  # noqa: E731
+    mapped = torch.func.vmap(attend)(x)  # would draw random permutations inside vmap
+    gradient = torch.func.grad(lambda x: attend(x).square().sum())(x[0])
+    with checking_equivariance():
+        torch.func.vmap(attend)(x)
+    assert checks == []
+    torch.testing.assert_close(mapped, torch.stack([attend(x[0]), attend(x[1])]))
+    leaf = x[0].clone().requires_grad_()
+    attend(leaf).square().sum().backward()
+    torch.testing.assert_close(gradient, leaf.grad)
+    assert checks == [module] * 3  # eager calls still check
 
 
 # --------------------------------------------------------------------------------- low precision

@@ -5,25 +5,15 @@ measures, :func:`assert_permutation_equivariant` / :func:`assert_permutation_inv
 against the dtype tolerance table, and :func:`format_permutation_error` writes the report.
 
 **Locating the break.** When the checked function is an ``nn.Module`` (or ``module=`` names one)
-and the check fails, both runs are repeated with a forward hook on every submodule, and each
-submodule *call* is compared between the original and the permuted run, in the order the calls
-finished (so children come before their parents). The check cannot know which axis of an
-intermediate output carries the tokens, so a call is accepted if each of its tensor outputs, within
-tolerance, either
-
-* is unchanged (invariant: pooling, learned queries, anything that does not see the tokens), or
-* is permuted along one axis whose length is the number of tokens, or along all such axes at once
-  (equivariant: per-token layers, attention outputs, ``(L, L)`` self-attention weights).
-
-The first call that matches none of these is reported: it is the first place where moving tokens
-does something other than moving its output. If no submodule call breaks and the module's own
-output does, the break is in the module's own ``forward`` code between its submodules (or the
-expectation is wrong, e.g. attention is equivariant where invariance was asked: the report says
-which reading its output does match).
-
-Limits of the rule: hooks see modules called through ``module(...)``, not ``module.forward(...)``;
-an output whose token axis was merged with another (a ``(B*N, D)`` reshape) or whose values are
-token indices reads as broken.
+and the check fails, both runs are repeated with hooks on every submodule, and each submodule call's
+inputs and outputs are compared between the original and the permuted run, in the order they
+happened (:mod:`._locate` has the rules). The report names the first place where moving tokens does
+something other than moving (or leaving alone) what comes out: a submodule whose inputs kept the
+property and whose output does not, or the code between two calls, when a call's input is already
+broken (``h = self.embed(x) + self.pos`` inline in ``forward``), with its function, file and lines.
+If nothing breaks before the checked function's own output, the break is in its own code after its
+last submodule call (or the expectation is wrong, e.g. attention is equivariant where invariance was
+asked: the report says which reading its output does match).
 """
 
 from __future__ import annotations
@@ -36,9 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _mode
+from ._locate import Culprit, SubmoduleCheck, compare_calls, describe_trailing_code, find_culprit, flatten, readings, recording
 from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
 
 __all__ = [
+    "Culprit",
     "OutputCheck",
     "SubmoduleCheck",
     "PermutationErrors",
@@ -98,37 +90,6 @@ class OutputCheck:
 
 
 @dataclass(frozen=True)
-class SubmoduleCheck:
-    """One submodule call, compared between the original and the permuted run.
-
-    Attributes:
-        name: the submodule's qualified name in the checked module.
-        type_name: its class name.
-        call: which call of that submodule it was (0 for the first).
-        outputs: for each of its tensor outputs, the errors under every reading.
-        note: set when the runs disagree structurally (missing output, shape change).
-    """
-
-    name: str
-    type_name: str
-    call: int
-    outputs: tuple[tuple[TensorError, ...], ...]
-    note: str = ""
-
-    def passed(self, tolerance: float | None = None) -> bool:
-        if self.note:
-            return False
-        return all(any(error.passed(tolerance) for error in readings) for readings in self.outputs)
-
-    def broken_output(self, tolerance: float | None = None) -> TensorError | None:
-        """The closest reading of the first output that matches none."""
-        for readings in self.outputs:
-            if not any(error.passed(tolerance) for error in readings):
-                return min(readings, key=lambda error: error.max_rel)
-        return None
-
-
-@dataclass(frozen=True)
 class PermutationErrors:
     """What :func:`permutation_equivariance_error` measured.
 
@@ -164,10 +125,15 @@ class PermutationErrors:
         return all(output.error.passed(tolerance) for output in self.outputs)
 
     def first_broken_submodule(self, tolerance: float | None = None) -> SubmoduleCheck | None:
+        """The first submodule call, in finishing order, whose output matches no reading."""
         for call in self.submodules or ():
             if not call.passed(tolerance):
                 return call
         return None
+
+    def culprit(self, tolerance: float | None = None) -> Culprit | None:
+        """Where the property first broke: a submodule, or the code between two calls (see :mod:`._locate`)."""
+        return find_culprit(self.submodules or (), tolerance)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -225,13 +191,13 @@ def permutation_equivariance_error(
     permuted = _permute_inputs(inputs, input_dims, permutation)
 
     with _check_conditions(module, inputs) as rewind, _mode.naming(module):
-        with _recording(module if submodules else None) as original_calls:
+        with recording(module if submodules else None) as original_calls:
             reference = fn(*inputs, **kwargs)
         rewind()
-        with _recording(module if submodules else None) as permuted_calls:
+        with recording(module if submodules else None) as permuted_calls:
             result = fn(*permuted, **kwargs)
 
-    reference_leaves, result_leaves = _flatten(reference, "output"), _flatten(result, "output")
+    reference_leaves, result_leaves = flatten(reference, "output"), flatten(result, "output")
     if [name for name, _ in reference_leaves] != [name for name, _ in result_leaves]:
         raise ValueError(
             f"fn returned different structures for the original and the permuted inputs "
@@ -246,7 +212,7 @@ def permutation_equivariance_error(
     )
     submodule_checks, note = (None, "")
     if submodules and module is not None:
-        submodule_checks, note = _compare_calls(original_calls, permuted_calls, length, permutation)
+        submodule_checks, note = compare_calls(original_calls, permuted_calls, length, permutation)
     return PermutationErrors(
         subject=_subject(fn),
         outputs=outputs,
@@ -264,46 +230,10 @@ def _check_output(
     error = measure_error(name, actual, permute(expected, dims, permutation), dims)
     alternatives = tuple(
         measure_error(name, actual, permute(expected, reading, permutation), reading)
-        for reading in _readings(expected, length)
+        for reading in readings(expected, length)
         if reading != dims
     )
     return OutputCheck(name, error, alternatives)
-
-
-def _readings(tensor: Tensor, length: int) -> list[tuple[int, ...]]:
-    """Unchanged, each axis of the token count alone, then all of them together."""
-    token_axes = tuple(axis for axis, size in enumerate(tensor.shape) if size == length)
-    readings = [()] + [(axis,) for axis in token_axes]
-    if len(token_axes) > 1:
-        readings.append(token_axes)
-    return readings
-
-
-def _compare_calls(
-    original: list[_Call], permuted: list[_Call], length: int, permutation: Tensor
-) -> tuple[tuple[SubmoduleCheck, ...], str]:
-    checks = []
-    for index, (before, after) in enumerate(zip(original, permuted)):
-        if (before.name, before.call) != (after.name, after.call):
-            return tuple(checks), (
-                f"submodule calls diverge at call {index}: '{before.name}' ran on the original inputs but "
-                f"'{after.name}' on the permuted ones (data-dependent control flow); comparison stopped there"
-            )
-        if [name for name, _ in before.outputs] != [name for name, _ in after.outputs]:
-            checks.append(SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs"))
-            continue
-        outputs = tuple(
-            tuple(
-                measure_error(name, actual, permute(expected, reading, permutation), reading)
-                for reading in _readings(expected, length)
-            )
-            for (name, expected), (_, actual) in zip(before.outputs, after.outputs)
-        )
-        checks.append(SubmoduleCheck(before.name, before.type_name, before.call, outputs))
-    note = ""
-    if len(original) != len(permuted):
-        note = f"{len(original)} submodule calls on the original inputs but {len(permuted)} on the permuted ones"
-    return tuple(checks), note
 
 
 # ---------------------------------------------------------------------------------- asserting
@@ -389,11 +319,10 @@ def _raise_if_broken(fn: Callable, inputs: tuple, result: PermutationErrors, tol
         )
         result = replace(located, seed=result.seed)
     broken = tuple(output.error for output in result.outputs if not output.error.passed(tolerance))
-    culprit = result.first_broken_submodule(tolerance)
     raise EquivarianceError(
         format_permutation_error(result, tolerance),
         errors=broken,
-        module_name=culprit.name if culprit is not None else None,
+        module_name=_blamed_module(result, tolerance),
         seed=result.seed,
         permutations={"inputs": result.permutation},
         result=result,
@@ -439,24 +368,47 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
     return "\n".join(lines)
 
 
-def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: list[OutputCheck]) -> list[str]:
-    culprit = result.first_broken_submodule(tolerance)
-    lines = []
+def _blamed_module(result: PermutationErrors, tolerance: float | None) -> str | None:
+    """The culprit's module name; ``""`` when the checked module's own code after its submodules broke it."""
+    culprit = result.culprit(tolerance)
     if culprit is not None:
-        position = result.submodules.index(culprit)
+        return culprit.module_name
+    broken = [output for output in result.outputs if not output.error.passed(tolerance)]
+    if result.submodules is None or all(output.observed(tolerance) for output in broken):
+        return None
+    return ""
+
+
+def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: list[OutputCheck]) -> list[str]:
+    culprit = result.culprit(tolerance)
+    lines = []
+    if culprit is not None and culprit.kind == "submodule":
+        call = culprit.submodule
         lines.append(
             f"  first submodule, in execution order, whose output is neither unchanged nor permuted along "
-            f"its token axes: '{culprit.name}' ({culprit.type_name}, call {culprit.call + 1}), "
-            f"after {position} submodule call{'s' if position != 1 else ''} that kept it"
+            f"its token axes: '{call.name}' ({call.type_name}, call {call.call + 1}), "
+            f"after {_calls(culprit.kept)} that kept it"
         )
-        closest = culprit.broken_output(tolerance)
-        if culprit.note:
-            lines.append(f"    {culprit.note}")
+        closest = call.broken_output(tolerance)
+        if call.note:
+            lines.append(f"    {call.note}")
         elif closest is not None:
             lines.append(
                 f"    its {closest.name} {_shape(closest.shape)}, closest reading "
                 f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
             )
+        if culprit.code:
+            lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
+    elif culprit is not None:
+        call = culprit.submodule
+        closest = call.broken_input(tolerance)
+        lines.append(f"  the break is in {culprit.code}{_at(culprit.location)}")
+        lines.append(
+            f"    '{call.name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
+            f"unchanged nor permuted along its token axes, after {_calls(culprit.kept)} that kept it: its "
+            f"{closest.name} {_shape(closest.shape)}, closest reading '{_describe_dims(closest.dims)}': "
+            f"{closest.describe(tolerance)}"
+        )
     elif all(output.observed(tolerance) for output in broken):
         lines.append(
             "  each broken output matches another reading (above): the function is consistent, "
@@ -465,13 +417,23 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
     elif result.submodules is None:
         lines.append("  (fn is not an nn.Module: pass module=... to find the submodule that breaks it)")
     else:
+        code, location = describe_trailing_code(result.submodules)
+        where = f": {code}{_at(location)}" if code else ""
         lines.append(
             f"  no submodule call breaks it ({len(result.submodules)} compared): the break is in "
-            f"{result.subject}'s own forward code, between its submodules"
+            f"{result.subject}'s own forward code, between its submodules or after them{where}"
         )
     if result.submodule_note:
         lines.append(f"  ({result.submodule_note})")
     return lines
+
+
+def _calls(count: int) -> str:
+    return f"{count} submodule call{'s' if count != 1 else ''}"
+
+
+def _at(location: str) -> str:
+    return f" ({location})" if location else ""
 
 
 def _describe_dims(dims: tuple[int, ...]) -> str:
@@ -622,16 +584,6 @@ def _module_of(fn: Callable) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def _flatten(value, name: str) -> list[tuple[str, object]]:
-    if isinstance(value, Tensor):
-        return [(name, value)]
-    if isinstance(value, (tuple, list)):
-        return [leaf for index, item in enumerate(value) for leaf in _flatten(item, f"{name}[{index}]")]
-    if isinstance(value, dict):
-        return [leaf for key, item in value.items() for leaf in _flatten(item, f"{name}[{key!r}]")]
-    return [(name, value)]
-
-
 # ------------------------------------------------------------------------------ run conditions
 
 
@@ -670,42 +622,3 @@ def _check_conditions(module: nn.Module | None, inputs: tuple) -> Iterator[Calla
                 owner._buffers[name] = buffer
                 buffer.copy_(copy)
         rewind()
-
-
-@dataclass
-class _Call:
-    name: str
-    type_name: str
-    call: int
-    outputs: list[tuple[str, Tensor]]
-
-
-@contextmanager
-def _recording(module: nn.Module | None) -> Iterator[list[_Call]]:
-    """Record every submodule call's tensor outputs (copies), in the order the calls finish."""
-    calls: list[_Call] = []
-    if module is None:
-        yield calls
-        return
-    counts: dict[str, int] = {}
-
-    def hook_for(name: str):
-        def hook(submodule: nn.Module, args, output) -> None:
-            call = counts.get(name, 0)
-            counts[name] = call + 1
-            leaves = [(leaf_name, leaf.detach().clone()) for leaf_name, leaf in _flatten(output, "output")
-                      if isinstance(leaf, Tensor)]
-            calls.append(_Call(name, type(submodule).__name__, call, leaves))
-
-        return hook
-
-    handles = [
-        submodule.register_forward_hook(hook_for(name))
-        for name, submodule in module.named_modules()
-        if submodule is not module
-    ]
-    try:
-        yield calls
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -3,7 +3,9 @@
 Switched on per module (``check_equivariance=True``, or the attribute of that name), for every slim
 module called inside ``with checking_equivariance():``, or for the whole process with the
 environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE``. ``check_equivariance=False`` opts a module out
-of the last two (for a causal decoder, say).
+of the last two (for an attention that adds positions of its own, say). A value of the variable that
+is not understood does not fail the import: the first call that would follow it raises one
+ValueError naming the variable and the values it accepts.
 
 A checked call, after computing its result, draws a query permutation ``P`` and a key/value
 permutation ``Q`` and recomputes attention once on ``P query``, ``Q key``, ``Q value`` with
@@ -12,22 +14,30 @@ Attention must return ``P output`` and weights ``P W Qᵀ`` (appended ``add_bias
 columns stay last). One recomputation tests both properties: equivariance in the queries and
 invariance in the keys and values; only when it fails are they run apart, to say which broke.
 
+A causal call is checked through its mask. With an explicit ``attn_mask``, ``is_causal=True`` is only
+a hint that the mask is the causal one (``nn.TransformerDecoder`` sets it when it detects that mask),
+and the property is equivariance with the mask following the tokens, ``f(P x, P M Pᵀ) = P f(x, M)``:
+the recomputation passes the permuted mask, which is no longer causal, without the hint. Only a call
+with ``is_causal=True`` and no mask has nothing to permute, and raises.
+
 No side effects: the recomputation runs under ``no_grad`` on detached inputs, with the module's
 dropout off (a dropout-free reference is recomputed when the call used dropout; the returned tensors
 are never touched), and the permutations come from private generators, so the global RNG is neither
 read nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module,
-the check is skipped, so graphs stay free of it.
+and under ``torch.func`` transforms (``vmap``, ``grad``), the check is skipped, so graphs stay free
+of it and transforms see the plain call.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, WeakSet
 
 import torch
 from torch import Tensor, nn
@@ -63,33 +73,44 @@ _open_scopes = 0  # in all threads; guarded by _LOCK
 _SCOPE: ContextVar[_Scope | None] = ContextVar("slim_mha_equivariance_scope", default=None)
 _MODELS: ContextVar[tuple[nn.Module, ...]] = ContextVar("slim_mha_equivariance_models", default=())
 _CALLS: WeakKeyDictionary[nn.Module, int] = WeakKeyDictionary()  # calls seen while on, per module
+_WARNED: WeakSet[nn.Module] = WeakSet()  # models already warned about having nothing to check
 _SEEDS = torch.Generator().manual_seed(0x5EED)  # private: seeds of the checks' permutations
 
 
 def _read_environment(value: str | None) -> _Scope | None:
-    """``1``/``true``: every call; ``N``: every N-th call of each module; unset/``0``/``false``: off."""
+    """``1``/``true``/``yes``/``on``: every call; ``N``: every N-th call of each module; unset/``0``/``false``: off."""
     text = (value or "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
+    if text in ("", "false", "no", "off") or (text.isdigit() and int(text) == 0):
         return None
     if text in ("true", "yes", "on"):
         return _Scope(every=1)
     if text.isdigit():
         return _Scope(every=int(text))
     raise ValueError(
-        f"{ENVIRONMENT_VARIABLE}={value!r} is not understood: use 1 to check every attention call, "
-        f"N > 1 to check every N-th call of each module, or 0 to turn checking off"
+        f"{ENVIRONMENT_VARIABLE}={value!r} is not understood: use 1 (or true, yes, on) to check every slim "
+        f"attention call, N > 1 to check every N-th call of each module, or 0 (or false, no, off, or unset) "
+        f"to turn checking off"
     )
 
 
 def _configure_environment(value: str | None) -> None:
-    """Apply an environment value (done once at import; tests call it to simulate the variable)."""
-    global _environment_scope
-    _environment_scope = _read_environment(value)
+    """Apply an environment value (done once at import; tests call it to simulate the variable).
+
+    A value that is not understood is not raised here: this runs when slim_mha is imported, and every
+    program importing it (the migration CLI included) would die with a traceback. It is kept, and
+    raised as one ValueError by the first call that follows the variable (:func:`_sampling_period`).
+    """
+    global _environment_scope, _environment_error
+    try:
+        _environment_scope, _environment_error = _read_environment(value), None
+    except ValueError as error:
+        _environment_scope, _environment_error = None, str(error)
     with _LOCK:
-        SWITCH.active = _open_scopes > 0 or _environment_scope is not None
+        SWITCH.active = _open_scopes > 0 or _environment_scope is not None or _environment_error is not None
 
 
 _environment_scope: _Scope | None = None
+_environment_error: str | None = None  # the message for a value that is not understood
 _configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
 
 
@@ -110,13 +131,16 @@ def _check_every(every, name: str) -> int:
 
 
 @contextmanager
-def checking_equivariance(model: nn.Module | None = None, *, every: int = 1) -> Iterator[None]:
+def checking_equivariance(model: nn.Module | None = None, *, every: int = 1, strict: bool = False) -> Iterator[None]:
     """Check the equivariance of every slim attention call made inside the block (this thread/task).
 
     Args:
         model: optional; errors then name the failing module by its qualified name in ``model``
-            (looked up only when a check fails).
+            (looked up only when a check fails). A model with no slim attention module to check
+            (stock modules only: built before ``patch()``, not converted) warns once, since the
+            block would check nothing.
         every: check the first call of each module, then every ``every``-th one.
+        strict: raise a ValueError instead of warning when ``model`` has nothing to check.
 
     Modules built with ``check_equivariance=False`` are left out; modules with ``True`` keep their
     own ``check_equivariance_every``. Scopes nest (the innermost ``every`` applies) and are local to
@@ -130,6 +154,10 @@ def checking_equivariance(model: nn.Module | None = None, *, every: int = 1) -> 
     every = _check_every(every, "every")
     if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
+    if model is not None:
+        _report_nothing_to_check(model, strict)
     global _open_scopes
     scope_token = _SCOPE.set(_Scope(every=every))
     models_token = _MODELS.set(_MODELS.get() + ((model,) if model is not None else ()))
@@ -141,9 +169,33 @@ def checking_equivariance(model: nn.Module | None = None, *, every: int = 1) -> 
     finally:
         with _LOCK:
             _open_scopes -= 1
-            SWITCH.active = _open_scopes > 0 or _environment_scope is not None
+            SWITCH.active = _open_scopes > 0 or _environment_scope is not None or _environment_error is not None
         _MODELS.reset(models_token)
         _SCOPE.reset(scope_token)
+
+
+def _report_nothing_to_check(model: nn.Module, strict: bool) -> None:
+    """Warn once per model (raise when strict) if no module in it would be checked: a silent no-op."""
+    from ..attention import SlimMultiheadAttention  # here: attention imports this module
+
+    slim = [module for module in model.modules() if isinstance(module, SlimMultiheadAttention)]
+    if any(module.check_equivariance is not False for module in slim):
+        return
+    if slim:
+        reason = (f"all its {len(slim)} slim attention modules opted out with check_equivariance=False; "
+                  "set the attribute to None (follow the scope) or True on the ones to check")
+    else:
+        stock = sum(isinstance(module, nn.MultiheadAttention) for module in model.modules())
+        found = f"its {stock} nn.MultiheadAttention modules are stock" if stock else "it has no attention module"
+        reason = (f"{found} and only slim attention checks its calls; build the model inside "
+                  "`with slim_mha.patched():` (or after slim_mha.patch()), or convert it with slim_mha.convert(model)")
+    message = f"checking_equivariance(model): {type(model).__name__} has nothing to check: {reason}"
+    if strict:
+        raise ValueError(message)
+    if model not in _WARNED:
+        _WARNED.add(model)
+        # stacklevel: this function, the generator, contextlib's __enter__, then the `with` line.
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 @contextmanager
@@ -180,25 +232,42 @@ def check_call(
         EquivarianceError: if the call broke equivariance, or used ``is_causal=True``.
     """
     __tracebackhide__ = True
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # keep graphs free of the check
+    if _transformed():
         return
     every = _sampling_period(module)
     if every is None:
         return
-    if is_causal:
+    if is_causal and attn_mask is None:
         raise EquivarianceError(
-            f"{_label(module)} was called with is_causal=True, which is order-dependent by construction "
-            "(query i attends only to keys j <= i), so it is not permutation-equivariant and there is "
-            "nothing to check. Build the module with check_equivariance=False (or set the attribute) to "
-            "exempt it, or pass an explicit attn_mask: the check permutes a mask with its tokens.",
+            f"{_label(module)} was called with is_causal=True and no attn_mask, which is order-dependent by "
+            "construction (query i attends only to keys j <= i) and leaves no mask to permute with the "
+            "tokens, so there is nothing to check. Pass the causal mask as attn_mask (the check permutes it "
+            "with its tokens: f(P x, P M P^T) = P f(x, M)), or build the module with check_equivariance=False "
+            "(or set the attribute) to exempt it.",
             module_name=_qualified_name(module),
         )
     count = _CALLS.get(module, 0)
     _CALLS[module] = count + 1
     if count % every or query.is_nested or key.is_nested or value.is_nested:
         return
-    check = _AttentionCheck(module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights)
+    check = _AttentionCheck(
+        module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+    )
     check.run(result)
+
+
+def _transformed() -> bool:
+    """Whether the call is being traced or transformed, where the check must not run.
+
+    ``torch.compile``/``torch.export``/``torch.jit.trace``: graphs stay free of the check.
+    ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``...): the recomputation would run on
+    wrapped tensors, draw random permutations inside ``vmap`` (an error in its default randomness
+    mode) and check one batched call for all the mapped ones.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(transforms_active is not None and transforms_active())
 
 
 def _sampling_period(module: nn.Module) -> int | None:
@@ -207,15 +276,23 @@ def _sampling_period(module: nn.Module) -> int | None:
         return None
     if flag:
         return _check_every(module.check_equivariance_every, "check_equivariance_every")
-    scope = _SCOPE.get() or _environment_scope
+    scope = _SCOPE.get()
+    if scope is None and _environment_error is not None:
+        raise ValueError(_environment_error)
+    scope = scope or _environment_scope
     return None if scope is None else scope.every
 
 
 class _AttentionCheck:
     """One checked call: its detached inputs, the permutations, and the recomputations."""
 
-    def __init__(self, module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights):
+    def __init__(
+        self, module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+    ):
         self.module = module
+        # With a mask, is_causal is only a hint that it is the causal one: the recomputations pass the
+        # permuted mask instead (no longer causal), and the call's own result is the reference.
+        self.is_causal_hint = is_causal
         self.query, self.key, self.value, self.key_padding_mask, self.attn_mask = _detach_alike(
             query, key, value, key_padding_mask, attn_mask
         )
@@ -224,6 +301,11 @@ class _AttentionCheck:
         self.batched = query.dim() == 3
         self.axis = 1 if self.batched and module.batch_first else 0  # token axis of query, key, value, output
         self.used_dropout = module.training and module.dropout > 0.0
+        # Stock's causal kernel masks appended key columns (add_bias_kv, add_zero_attn) that the
+        # explicit mask, padded, leaves open: there the call's result is not f(x, M), so the
+        # reference is recomputed from the mask, as the permuted calls are.
+        appended = module.bias_k is not None or module.add_zero_attn
+        self.recompute_reference = self.used_dropout or (is_causal and appended)
         self.seed = _next_seed()
         self.query_permutation = draw_permutation(query.shape[self.axis], self.seed)
         self.key_permutation = draw_permutation(key.shape[self.axis], self.seed + 1)
@@ -231,7 +313,7 @@ class _AttentionCheck:
     def run(self, result: tuple[Tensor, Tensor | None]) -> None:
         __tracebackhide__ = True
         with torch.no_grad(), _without_dropout(self.module):
-            if self.used_dropout:  # the returned tensors carry dropout noise: recompute without it
+            if self.recompute_reference:  # dropout noise, or a causal hint read differently: recompute
                 reference = self._attend(permute_queries=False, permute_keys=False)
             else:
                 reference = tuple(None if t is None else t.detach() for t in result)
@@ -325,6 +407,9 @@ class _AttentionCheck:
         if self.attn_mask is not None:
             parts.append(f"attn_mask {_shape(self.attn_mask)} {_dtype(self.attn_mask)}")
         parts.append(f"need_weights={self.need_weights}, average_attn_weights={self.average_attn_weights}")
+        if self.is_causal_hint:
+            parts.append("is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal "
+                         "one shows up here as a break)")
         parts.append(f"training={self.module.training}")
         return "; ".join(parts)
 

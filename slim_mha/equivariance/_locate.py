@@ -1,0 +1,389 @@
+"""Where a failing permutation check first breaks: in a submodule, or in the code between two of them.
+
+Both runs of a failing check are repeated with hooks on every submodule, and each submodule call is
+recorded twice: when it starts (its tensor inputs, and the function and line that called it) and
+when it finishes (its tensor outputs). The check cannot know which axis of an intermediate tensor
+carries the tokens, so a tensor is accepted if, within tolerance, it is unchanged (it does not see
+the tokens) or permuted along one axis whose length is the number of tokens, or along all such axes
+at once. Walking the events in the order they happened, the first tensor that matches none of these
+is where the property broke:
+
+* a call whose inputs were fine but whose output is not: the submodule broke it (when it has
+  submodules of its own and they all kept it, the break is in its own code after them);
+* a call whose input is already broken although every event before it was fine: the code that ran
+  between the previous event and this call broke it, e.g. ``h = self.embed(x) + self.pos`` written
+  inline in ``forward``. The report names that code by its function, the two calls around it and
+  the lines, read from the calling frames.
+
+Integer tensors among the inputs are not judged: they are usually indices (``edge_index``, token
+ids) that a permutation relabels rather than moves. Hooks see modules called as ``module(...)``,
+not ``module.forward(...)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ._measure import TensorError, measure_error, permute
+
+__all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
+
+_CALL_MACHINERY = {os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))}
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Where a submodule was called from.
+
+    Attributes:
+        filename: the calling function's file.
+        line: the line of the call.
+        function: the calling function's qualified name (``"Model.forward"``).
+        first_line, last_line: the calling function's first and last lines.
+    """
+
+    filename: str
+    line: int
+    function: str
+    first_line: int
+    last_line: int
+
+    @property
+    def path(self) -> str:
+        """The file, relative to the working directory when it lies under it."""
+        relative = os.path.relpath(self.filename) if os.path.isabs(self.filename) else self.filename
+        return self.filename if relative.startswith("..") else relative
+
+
+@dataclass(frozen=True)
+class SubmoduleCheck:
+    """One submodule call, compared between the original and the permuted run.
+
+    Attributes:
+        name: the submodule's qualified name in the checked module.
+        type_name: its class name.
+        call: which call of that submodule it was (0 for the first).
+        outputs: for each of its tensor outputs, the errors under every reading.
+        note: set when the runs disagree structurally (missing output, shape change).
+        inputs: for each of its floating-point and boolean tensor inputs, the errors under every reading.
+        parent: the qualified name of the submodule whose call was running when it was called
+            (``None``: called from the checked function's own code).
+        site: where it was called from, when the frames told.
+        started, finished: the positions of its start and its end among all recorded events.
+    """
+
+    name: str
+    type_name: str
+    call: int
+    outputs: tuple[tuple[TensorError, ...], ...]
+    note: str = ""
+    inputs: tuple[tuple[TensorError, ...], ...] = ()
+    parent: str | None = None
+    site: CallSite | None = None
+    started: int = -1
+    finished: int = -1
+
+    def passed(self, tolerance: float | None = None) -> bool:
+        """Whether every output matches a reading (the inputs are judged by :meth:`inputs_passed`)."""
+        if self.note:
+            return False
+        return all(_matches(readings, tolerance) for readings in self.outputs)
+
+    def inputs_passed(self, tolerance: float | None = None) -> bool:
+        return all(_matches(readings, tolerance) for readings in self.inputs)
+
+    def broken_output(self, tolerance: float | None = None) -> TensorError | None:
+        """The closest reading of the first output that matches none."""
+        return _closest_broken(self.outputs, tolerance)
+
+    def broken_input(self, tolerance: float | None = None) -> TensorError | None:
+        """The closest reading of the first input that matches none."""
+        return _closest_broken(self.inputs, tolerance)
+
+    def label(self) -> str:
+        """```name` (call 2)``: how reports refer to this call."""
+        return f"`{self.name}` (call {self.call + 1})"
+
+
+def _matches(readings: tuple[TensorError, ...], tolerance: float | None) -> bool:
+    return any(error.passed(tolerance) for error in readings)
+
+
+def _closest_broken(tensors, tolerance: float | None) -> TensorError | None:
+    for readings in tensors:
+        if not _matches(readings, tolerance):
+            return min(readings, key=lambda error: error.max_rel)
+    return None
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """Where a failing check first saw the property break.
+
+    Attributes:
+        kind: ``"submodule"`` (a call's output broke while its inputs were fine) or ``"code"`` (a
+            call's input was already broken while everything before it was fine).
+        module_name: the submodule that broke it; for ``"code"``, the submodule whose call was
+            running (``""``: the checked module's own code).
+        submodule: the call whose output broke, or the first one that received a broken input.
+        code: the code at fault, ``"the code in `Model.forward` between `embed` (call 1) and
+            `attn` (call 1)"``; for a submodule with submodules of its own that kept it, its code
+            after them; empty for a submodule without submodules.
+        location: ``"model.py, lines 10-11"``, when the frames told.
+        kept: how many submodule calls finished before the break, all of them keeping the property.
+    """
+
+    kind: str
+    module_name: str
+    submodule: SubmoduleCheck
+    code: str = ""
+    location: str = ""
+    kept: int = 0
+
+
+# ---------------------------------------------------------------------------------- recording
+
+
+@dataclass
+class _Call:
+    name: str
+    type_name: str
+    call: int
+    parent: str | None
+    site: CallSite | None
+    inputs: list[tuple[str, Tensor]]
+    started: int
+    outputs: list[tuple[str, Tensor]] = field(default_factory=list)
+    finished: int = -1
+
+
+@contextmanager
+def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
+    """Record every submodule call (copies of its tensor inputs and outputs), in the order calls start."""
+    calls: list[_Call] = []
+    if module is None:
+        yield calls
+        return
+    counts: dict[str, int] = {}
+    running: list[_Call] = []
+    events = itertools.count()
+
+    def before_for(name: str):
+        def before(submodule: nn.Module, args: tuple, kwargs: dict) -> None:
+            call = counts.get(name, 0)
+            counts[name] = call + 1
+            parent = running[-1].name if running else None
+            record = _Call(
+                name, type(submodule).__name__, call, parent, _call_site(), _tensor_inputs(submodule, args, kwargs),
+                next(events),
+            )
+            calls.append(record)
+            running.append(record)
+
+        return before
+
+    def after_for(name: str):
+        def after(submodule: nn.Module, args: tuple, output) -> None:
+            # The innermost running call of this name is the one finishing (a call that raised
+            # never gets here, and then the whole check raises anyway).
+            index = next((i for i in range(len(running) - 1, -1, -1) if running[i].name == name), None)
+            if index is None:
+                return
+            record = running.pop(index)
+            record.outputs = [(leaf_name, leaf.detach().clone()) for leaf_name, leaf in flatten(output, "output")
+                              if isinstance(leaf, Tensor)]
+            record.finished = next(events)
+
+        return after
+
+    handles = []
+    for name, submodule in module.named_modules():
+        if submodule is not module:
+            handles.append(submodule.register_forward_pre_hook(before_for(name), with_kwargs=True))
+            handles.append(submodule.register_forward_hook(after_for(name)))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _call_site() -> CallSite | None:
+    """The frame that called the submodule: the first one above the hook outside torch's call machinery."""
+    frame = sys._getframe(2)
+    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _CALL_MACHINERY:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return CallSite(
+        filename=code.co_filename,
+        line=frame.f_lineno,
+        function=getattr(code, "co_qualname", code.co_name),  # co_qualname: Python 3.11+
+        first_line=code.co_firstlineno,
+        last_line=max(lines, default=code.co_firstlineno),
+    )
+
+
+def _tensor_inputs(submodule: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
+    """Copies of the floating-point, complex and boolean tensors among the inputs, named by parameter."""
+    names = _positional_names(submodule)
+    leaves = []
+    for index, value in enumerate(args):
+        leaves += flatten(value, names[index] if index < len(names) else f"args[{index}]")
+    for key, value in kwargs.items():
+        leaves += flatten(value, key)
+    return [(name, leaf.detach().clone()) for name, leaf in leaves if isinstance(leaf, Tensor) and _judged(leaf)]
+
+
+def _judged(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
+
+
+def _positional_names(submodule: nn.Module) -> list[str]:
+    try:
+        parameters = inspect.signature(submodule.forward).parameters.values()
+    except (TypeError, ValueError):  # builtins, C extensions
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return list(itertools.takewhile(lambda name: name is not None,
+                                    (p.name if p.kind in positional else None for p in parameters)))
+
+
+def flatten(value, name: str) -> list[tuple[str, object]]:
+    """The leaves of nested tuples, lists and dicts, named like ``output[1]`` or ``output['logits']``."""
+    if isinstance(value, Tensor):
+        return [(name, value)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for index, item in enumerate(value) for leaf in flatten(item, f"{name}[{index}]")]
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in flatten(item, f"{name}[{key!r}]")]
+    return [(name, value)]
+
+
+# ---------------------------------------------------------------------------------- comparing
+
+
+def readings(tensor: Tensor, length: int) -> list[tuple[int, ...]]:
+    """Unchanged, each axis of the token count alone, then all of them together."""
+    token_axes = tuple(axis for axis, size in enumerate(tensor.shape) if size == length)
+    result = [()] + [(axis,) for axis in token_axes]
+    if len(token_axes) > 1:
+        result.append(token_axes)
+    return result
+
+
+def _measure_readings(before: list, after: list, length: int, permutation: Tensor) -> tuple:
+    return tuple(
+        tuple(
+            measure_error(name, actual, permute(expected, reading, permutation), reading)
+            for reading in readings(expected, length)
+        )
+        for (name, expected), (_, actual) in zip(before, after)
+    )
+
+
+def compare_calls(
+    original: list[_Call], permuted: list[_Call], length: int, permutation: Tensor
+) -> tuple[tuple[SubmoduleCheck, ...], str]:
+    """Each call of the original run against the same call of the permuted run, in finishing order."""
+    checks = []
+    note = ""
+    for index, (before, after) in enumerate(zip(original, permuted)):
+        if (before.name, before.call) != (after.name, after.call):
+            note = (
+                f"submodule calls diverge at call {index}: '{before.name}' ran on the original inputs but "
+                f"'{after.name}' on the permuted ones (data-dependent control flow); comparison stopped there"
+            )
+            break
+        fields = dict(parent=before.parent, site=before.site, started=before.started, finished=before.finished)
+        inputs_match = [name for name, _ in before.inputs] == [name for name, _ in after.inputs]
+        inputs = _measure_readings(before.inputs, after.inputs, length, permutation) if inputs_match else ()
+        if [name for name, _ in before.outputs] != [name for name, _ in after.outputs]:
+            checks.append(SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs",
+                                         inputs, **fields))
+            continue
+        outputs = _measure_readings(before.outputs, after.outputs, length, permutation)
+        checks.append(SubmoduleCheck(before.name, before.type_name, before.call, outputs, "", inputs, **fields))
+    if not note and len(original) != len(permuted):
+        note = f"{len(original)} submodule calls on the original inputs but {len(permuted)} on the permuted ones"
+    checks.sort(key=lambda check: check.finished if check.finished >= 0 else float("inf"))
+    return tuple(checks), note
+
+
+# ------------------------------------------------------------------------------------ blaming
+
+
+def find_culprit(checks: tuple[SubmoduleCheck, ...], tolerance: float | None = None) -> Culprit | None:
+    """The first event, in the order they happened, whose tensors match no reading; ``None`` if none."""
+    events = sorted(
+        [(check.started, "start", check) for check in checks]
+        + [(check.finished, "end", check) for check in checks if check.finished >= 0],
+        key=lambda event: event[0],
+    )
+    previous: tuple[str, SubmoduleCheck] | None = None
+    kept = 0
+    for _, kind, check in events:
+        if kind == "start" and not check.inputs_passed(tolerance):
+            code, location = _code_before(check, previous)
+            return Culprit("code", check.parent or "", check, code, location, kept)
+        if kind == "end" and not check.passed(tolerance):
+            code, location = "", ""
+            if previous is not None and previous[0] == "end" and previous[1].parent == check.name:
+                code, location = _code_after(previous[1])  # its own submodules kept it: its code did not
+            return Culprit("submodule", check.name, check, code, location, kept)
+        kept += kind == "end"
+        previous = (kind, check)
+    return None
+
+
+def describe_trailing_code(checks: tuple[SubmoduleCheck, ...]) -> tuple[str, str]:
+    """The checked function's code after its last submodule call: ``(code, location)``."""
+    top_level = [check for check in checks if check.parent is None and check.finished >= 0]
+    if not top_level:
+        return "", ""
+    return _code_after(max(top_level, key=lambda check: check.finished))
+
+
+def _code_before(check: SubmoduleCheck, previous: tuple[str, SubmoduleCheck] | None) -> tuple[str, str]:
+    site = check.site
+    earlier = previous[1] if previous is not None and previous[0] == "end" else None
+    if site is None:
+        where = f"`{check.parent}`'s forward" if check.parent else "the checked function"
+        return (f"the code in {where} between {earlier.label()} and {check.label()}" if earlier else
+                f"the code in {where} before {check.label()}"), ""
+    if earlier is None:
+        return f"the code in `{site.function}` before {check.label()}", _lines(site, site.first_line, site.line)
+    if earlier.site is not None and (earlier.site.filename, earlier.site.function) != (site.filename, site.function):
+        return (
+            f"the code between {earlier.label()}, called in `{earlier.site.function}` "
+            f"({earlier.site.path}, line {earlier.site.line}), and {check.label()}, called in `{site.function}`",
+            _lines(site, site.line, site.line),
+        )
+    start = earlier.site.line if earlier.site is not None else site.first_line
+    return f"the code in `{site.function}` between {earlier.label()} and {check.label()}", _lines(site, start, site.line)
+
+
+def _code_after(last: SubmoduleCheck) -> tuple[str, str]:
+    site = last.site
+    if site is None:
+        return f"the code after {last.label()}", ""
+    return f"the code in `{site.function}` after {last.label()}", _lines(site, site.line, site.last_line)
+
+
+def _lines(site: CallSite, first: int, last: int) -> str:
+    first, last = min(first, last), max(first, last)
+    return f"{site.path}, line {first}" if first == last else f"{site.path}, lines {first}-{last}"
