@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
     )
     parser.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--scale", action="store_true", help="run the scale sweep over N instead (options: --scale --help)"
+    )
     return parser
 
 
@@ -205,6 +208,11 @@ def _busy_machine_note(results: list[dict]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--scale" in argv:  # the scale sweep has its own options: slim_mha/bench/scale.py
+        from . import scale
+
+        return scale.main([arg for arg in argv if arg != "--scale"])
     parser = build_parser()
     args = parser.parse_args(argv)
     device = _resolve_device(parser, args.device)
