@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -184,7 +184,6 @@ def _build_step(series: Series, tokens: int, settings: Settings, device: torch.d
 
     small = inputs(min(tokens, 64))
     stock_path = _warm_up_and_name_path(lambda: step_on(*small), series)
-    del small
     x, mask = inputs(tokens)
     return (lambda: step_on(x, mask)), reset, stock_path
 
