@@ -14,7 +14,9 @@ conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions 
 
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
 and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message
-names the file and the key. Nothing is ever written to SRC, and DST appears complete or not at all.
+names the file and the key. Nothing is ever written to SRC, and DST appears complete or not at all:
+the output is staged beside DST, fsynced, and moved into place in one step; a KeyboardInterrupt
+removes the staging path, and litter from a killed run is removed by the next run (see the README).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def strip_checkpoint(
     verify: bool = False,
     dry_run: bool = False,
     force: bool = False,
+    companions: bool = True,
     progress: bool | None = None,
 ) -> MigrationReport:
     """Drop the key slice of every ``in_proj_bias``; refuse where that is not exact.
@@ -65,13 +68,19 @@ def strip_checkpoint(
         verify: rebuild every changed module from the original and migrated tensors and compare their
             outputs on random inputs; a mismatch raises ``RuntimeError`` and nothing is written.
         dry_run: do everything but write.
-        force: replace an existing destination.
+        force: replace an existing destination: a file only if it is a regular file; a folder only if
+            every entry is a regular file that a checkpoint output names (its shards and index, the
+            shards its own index lists, and the companion files this run copies). Never a destination
+            that is, or holds, a file the run reads (symlinks resolved).
+        companions: for a checkpoint folder, copy its other files (``config.json``, tokenizer files,
+            README...; not weight files, not subfolders) unchanged into the output folder, and list
+            them in the report. ``False`` leaves them out.
         progress: show a tqdm bar on stderr: ``None`` decides (a TTY and several shards or a large
             file), ``True`` always, ``False`` never.
     """
     return migrate(
         "strip", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
-        verify=verify, dry_run=dry_run, force=force, progress=progress,
+        verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
     )
 
 
@@ -84,6 +93,7 @@ def fold_checkpoint(
     verify: bool = False,
     dry_run: bool = False,
     force: bool = False,
+    companions: bool = True,
     progress: bool | None = None,
 ) -> MigrationReport:
     """Convert every stock module to the slim layout, exactly, wherever its key bias sits.
@@ -93,7 +103,7 @@ def fold_checkpoint(
     """
     return migrate(
         "fold", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
-        verify=verify, dry_run=dry_run, force=force, progress=progress,
+        verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
     )
 
 
@@ -105,6 +115,7 @@ def to_stock_checkpoint(
     verify: bool = False,
     dry_run: bool = False,
     force: bool = False,
+    companions: bool = True,
     progress: bool | None = None,
 ) -> MigrationReport:
     """Convert slim modules back to the stock layout: stock ``nn.MultiheadAttention`` then loads the
@@ -115,7 +126,7 @@ def to_stock_checkpoint(
     """
     return migrate(
         "to-stock", source, destination, zero_attn=zero_attn, verify=verify, dry_run=dry_run,
-        force=force, progress=progress,
+        force=force, companions=companions, progress=progress,
     )
 
 

@@ -3,7 +3,10 @@
 1. Check the arguments and the destination (paths only, no reads).
 2. Read the headers, find and check every attention module, plan each one; refuse before reading data.
 3. Compute the few rewritten biases; with ``verify``, compare each module before and after.
-4. Write every shard into a staging file or folder beside the destination, then ``os.replace`` it.
+4. Write every shard (and copy the companion files) into a staging file or folder beside the
+   destination, fsync it, and move it into place in one step (see :mod:`._staging`).
+
+Nothing that is not ours is deleted or overwritten: see :mod:`._destination` for the rules.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import secrets
-import shutil
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,16 +25,19 @@ from tqdm import tqdm
 from slim_mha import SlimMultiheadAttention
 
 from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
-from ._text import shown
+from ._destination import Companion, check_destination, check_replaceable, find_companions, input_files
+from ._staging import Staging, remove_litter
+from ._text import option, shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
 from ._verify import check_module_error, module_output_error, tolerance_for
-from ._writer import OutputTensor, write_safetensors
+from ._writer import OutputTensor, copy_file, write_safetensors
 from .report import MigrationReport, ModuleReport
 
 FORMAT_VERSION = SlimMultiheadAttention._version
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
-_CHECKPOINT_FILES = (".safetensors", ".index.json")
+# Tests only: "POINT=FILE" makes a run create FILE at POINT and wait, so that a test can kill it there.
+_TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
 
 
 def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
@@ -55,6 +60,7 @@ def migrate(
     verify: bool = False,
     dry_run: bool = False,
     force: bool = False,
+    companions: bool = True,
     progress: bool | None = None,
 ) -> MigrationReport:
     if mode not in MODES:
@@ -64,8 +70,13 @@ def migrate(
     source, destination = Path(source), Path(destination)
     zero_attn = _check_patterns(zero_attn)
     if not source.exists():
-        raise FileNotFoundError(f"{source}: no such file or directory")
-    _check_destination(source, source_kind(source), destination, force=force)
+        raise FileNotFoundError(f"{shown(source)}: no such file or directory")
+    kind = source_kind(source)
+    if not destination.parent.resolve().is_dir():
+        raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
+    # Before the checks: litter may hold the previous DST, moved aside by a run killed mid-replace.
+    notes = () if dry_run else remove_litter(destination)
+    check_destination(source, kind, destination, force=force)
 
     checkpoint = open_checkpoint(source)
     groups = find_attention_modules(checkpoint)
@@ -109,12 +120,25 @@ def migrate(
         metadata["slim_mha.zero_attn_modules"] = ",".join(zero_attn_names)
     output_tensors = sum(len(tensors) for _, tensors in outputs)
     output_bytes = sum(tensor.nbytes for _, tensors in outputs for tensor in tensors)
+    found, skipped = find_companions(checkpoint)
+    copied = found if companions else []
+    if found and not companions:
+        skipped = [f"did not copy {len(found)} companion files ({option('no_companions')})"]
+    writes = {name for name, _ in outputs} | ({checkpoint.index_name} if checkpoint.kind == "sharded" else set())
+    writes |= {companion.name for companion in copied}
+    reads = input_files(checkpoint, found)
+
+    def check() -> None:
+        check_replaceable(destination, directory=checkpoint.writes_directory, writes=writes, reads=reads)
+
+    check()
     if not dry_run:
-        _write_output(checkpoint, destination, outputs, metadata, force=force, progress=progress)
+        _write_output(checkpoint, destination, outputs, metadata, copied, force=force, check=check, progress=progress)
     return _report(
         checkpoint, mode, destination, tuple(modules),
         output_tensors=output_tensors, output_bytes=output_bytes,
         dry_run=dry_run, written=not dry_run, verified=verify,
+        companions=tuple(companion.name for companion in copied), extra_notes=(*notes, *skipped),
     )
 
 
@@ -127,48 +151,11 @@ def _check_patterns(zero_attn: Iterable[str]) -> tuple[str, ...]:
     patterns = tuple(zero_attn)
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern.strip("."):
-            raise ValueError(f"--zero-attn {pattern!r}: expected a module name such as 'decoder.layers.0.self_attn'")
-    return patterns
-
-
-def _check_destination(source: Path, kind: str, destination: Path, *, force: bool) -> None:
-    writes_directory = kind in ("directory", "sharded")
-    if writes_directory and destination.name.endswith((".safetensors", ".json")):
-        raise ValueError(
-            f"{destination}: {source} is a checkpoint directory, so DST must be a directory (the shards "
-            "keep their names), not a file name"
-        )
-    if not writes_directory and not destination.name.endswith(".safetensors"):
-        raise ValueError(f"{destination}: the output is one safetensors file, so DST must end in .safetensors")
-    if not destination.parent.resolve().is_dir():
-        raise FileNotFoundError(f"{destination.parent}: the folder for DST does not exist; create it first")
-    source_root = source.resolve()
-    if writes_directory and not source.is_dir():
-        source_root = source_root.parent  # an index file: its shards sit beside it
-    target = destination.resolve()
-    if target == source_root or (writes_directory and target in source_root.parents):
-        raise ValueError(f"{destination}: DST would overwrite the input {source}; write to another path")
-    if not (destination.exists() or destination.is_symlink()):
-        return
-    if writes_directory:
-        if not destination.is_dir():
-            raise ValueError(f"{destination}: exists and is not a directory; remove it or choose another DST")
-        entries = sorted(os.listdir(destination))
-        if not entries:
-            return
-        if not force:
-            raise FileExistsError(f"{destination}: already exists; pass --force to replace it")
-        foreign = [name for name in entries if not name.endswith(_CHECKPOINT_FILES)]
-        if foreign:
             raise ValueError(
-                f"{destination}: --force would delete '{foreign[0]}', which is not a checkpoint file; "
-                "choose another DST"
+                f"{option('zero_attn')} {shown(repr(pattern))}: expected a module name such as "
+                "'decoder.layers.0.self_attn'"
             )
-    else:
-        if destination.is_dir():
-            raise ValueError(f"{destination}: is a directory, but the output is one .safetensors file")
-        if not force:
-            raise FileExistsError(f"{destination}: already exists; pass --force to replace it")
+    return patterns
 
 
 def _zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint) -> set[str]:
@@ -349,35 +336,67 @@ def _write_output(
     destination: Path,
     files: list[tuple[str, list[OutputTensor]]],
     provenance: dict[str, str],
+    companions: list[Companion],
     *,
     force: bool,
+    check: Callable[[], None],
     progress: bool | None,
 ) -> None:
+    """Write the output into a staging path and move it into place; on any failure, including an
+    interruption, the staging path is removed and DST is left as it was."""
     shards = {shard.name: shard for shard in checkpoint.shards}
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
+    total += sum(os.stat(companion.path).st_size for companion in companions)
     if progress is None:
         progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
-    staging = destination.parent / f".{destination.name}.{secrets.token_hex(4)}.tmp"
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
                file=sys.stderr, disable=not progress)
+    staging = Staging(destination, directory=checkpoint.writes_directory)
     try:
-        if checkpoint.writes_directory:
-            staging.mkdir()
-        for name, tensors in files:
-            path = staging / name if checkpoint.writes_directory else staging
-            bar.set_postfix_str(name, refresh=False)
-            write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update)
-        if checkpoint.kind == "sharded":
-            _write_index(staging / checkpoint.index_name, checkpoint, files, provenance)
-        _replace(staging, destination, force=force)
-    except BaseException:
-        if staging.is_dir():
-            shutil.rmtree(staging, ignore_errors=True)
-        elif staging.exists():
-            staging.unlink()
-        raise
+        with staging:
+            for number, (name, tensors) in enumerate(files):
+                path = staging.path / name if checkpoint.writes_directory else staging.path
+                bar.set_postfix_str(name, refresh=False)
+                write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update)
+                if number == 0:
+                    _pause_for_tests("after-first-shard")
+            if checkpoint.kind == "sharded":
+                _write_index(staging.path / checkpoint.index_name, checkpoint, files, provenance)
+            for companion in companions:
+                bar.set_postfix_str(companion.name, refresh=False)
+                copy_file(companion.path, staging.path / companion.name, bar.update)
+            _pause_for_tests("before-commit")
+            staging.commit(replace=force or _is_empty_directory(destination), check=check)
+            _pause_for_tests("after-commit")
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
+            raise  # already names the user's path
+        if staging.committed:
+            state = f"{shown(destination)} was written completely, but syncing its folder failed"
+        elif os.path.lexists(destination):
+            state = f"{shown(destination)} was left as it was"
+        else:
+            state = "nothing was written"
+        error = OSError(f"{shown(destination)}: cannot write the output ({exc.strerror or exc}); {state}")
+        error.errno = exc.errno
+        raise error from None
     finally:
         bar.close()
+
+
+def _is_empty_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not os.listdir(path)
+
+
+def _pause_for_tests(point: str) -> None:
+    """Let a test kill or interrupt the run at ``point`` (see ``_TEST_PAUSE``); a no-op otherwise."""
+    wanted, _, ready = os.environ.get(_TEST_PAUSE, "").partition("=")
+    if wanted != point:
+        return
+    Path(ready).touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _write_index(path: Path, checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], provenance) -> None:
@@ -387,24 +406,15 @@ def _write_index(path: Path, checkpoint: Checkpoint, files: list[tuple[str, list
         "metadata": {**checkpoint.index_metadata, **provenance, "total_size": total_size},
         "weight_map": dict(sorted(weight_map.items())),
     }
-    path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    with open(path, "x", encoding="utf-8") as file:
+        file.write(json.dumps(index, indent=2) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
 
 
-def _replace(staging: Path, destination: Path, *, force: bool) -> None:
-    """Move the finished output into place; an existing one is swapped out only after it is complete."""
-    exists = destination.exists() or destination.is_symlink()
-    if exists and not force and not (destination.is_dir() and not os.listdir(destination)):
-        raise FileExistsError(f"{destination}: appeared while writing; pass --force to replace it")
-    if staging.is_dir() and exists:
-        retired = staging.with_name(staging.name + ".old")
-        os.replace(destination, retired)
-        os.replace(staging, destination)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.replace(staging, destination)
-
-
-def _report(checkpoint: Checkpoint, mode: str, destination: Path | None, modules, **fields) -> MigrationReport:
+def _report(
+    checkpoint: Checkpoint, mode: str, destination: Path | None, modules, extra_notes=(), **fields
+) -> MigrationReport:
     records = checkpoint.records
     metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
     return MigrationReport(
@@ -416,7 +426,7 @@ def _report(checkpoint: Checkpoint, mode: str, destination: Path | None, modules
         total_bytes=sum(record.nbytes for record in records.values()),
         modules=modules,
         metadata=metadata,
-        notes=checkpoint.notes,
+        notes=(*checkpoint.notes, *extra_notes),
         **fields,
     )
 

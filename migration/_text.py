@@ -6,9 +6,12 @@ erase or overwrite a line on the user's terminal and make an error look like suc
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 
-__all__ = ["shown"]
+__all__ = ["cli_spelling", "option", "shown"]
 
 
 def shown(name: str | os.PathLike) -> str:
@@ -17,3 +20,27 @@ def shown(name: str | os.PathLike) -> str:
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+# How an option is spelled in messages: ``force=True`` for the Python API, ``--force`` in the CLI,
+# which sets this for the duration of its run.
+_CLI_SPELLING: ContextVar[bool] = ContextVar("slim_mha_migration_cli_spelling", default=False)
+_OPTIONS = {
+    "force": ("force=True", "--force"),
+    "no_companions": ("companions=False", "--no-companions"),
+    "zero_attn": ("zero_attn", "--zero-attn"),
+}
+
+
+def option(name: str) -> str:
+    """``name`` as the caller knows it: an API keyword, or the CLI flag when the CLI is running."""
+    return _OPTIONS[name][_CLI_SPELLING.get()]
+
+
+@contextlib.contextmanager
+def cli_spelling() -> Iterator[None]:
+    token = _CLI_SPELLING.set(True)
+    try:
+        yield
+    finally:
+        _CLI_SPELLING.reset(token)

@@ -9,6 +9,9 @@ Only the few rewritten biases are ever held in memory, so memory stays flat what
 Unchanged tensors that sit back to back in the source are copied as one run, in the kernel
 (``copy_file_range``) when source and destination offsets agree within a page, otherwise through a
 1 MiB buffer; the header padding is chosen so that most copied bytes agree.
+
+Every file is fsynced before it is closed: the rename that publishes it must never overtake its data.
+Companion files (``config.json``, tokenizer files...) are copied the same way, byte for byte.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ._checkpoint import ITEM_SIZES, TensorRecord
+from ._text import shown
 
 _CHUNK = 64 * 1024 * 1024  # bytes per kernel copy call: small enough for a smooth bar and a prompt Ctrl-C
 _BUFFER = 1024 * 1024  # bytes per user-space copy: fits the CPU caches, measured fastest (benchmarks/)
@@ -47,7 +52,7 @@ class OutputTensor:
 def write_safetensors(
     path: Path, tensors: list[OutputTensor], metadata: dict[str, str], advance: Callable[[int], object]
 ) -> None:
-    """Write ``tensors`` to a new file at ``path``; ``advance(n)`` is called as bytes are written."""
+    """Write ``tensors`` to the file at ``path`` and fsync it; ``advance(n)`` is called as bytes are written."""
     ordered = sorted(tensors, key=lambda tensor: (-ITEM_SIZES.get(tensor.dtype, 1), tensor.key))
     offsets = [0]
     for tensor in ordered:
@@ -71,13 +76,37 @@ def write_safetensors(
                 advance(run.length)
                 continue
             if run.path not in sources:
-                sources[run.path] = os.open(run.path, os.O_RDONLY)
-            _copy_range(sources[run.path], run.source_offset, target, destination, run.length, buffer, advance)
+                sources[run.path] = os.open(run.path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe never blocks us
+            _copy_range(sources[run.path], run.source_offset, target, destination, run.length, buffer, advance,
+                        source_path=run.path)
+        os.fsync(target)
     finally:
         os.close(target)
         for descriptor in sources.values():
             os.close(descriptor)
     _check_written(path, ordered)
+
+
+def copy_file(source: Path, target: Path, advance: Callable[[int], object]) -> None:
+    """Copy ``source`` (a companion file; a symlink is followed) to a new file ``target``, byte for byte,
+    and fsync it. It is opened without blocking and checked to be a regular file, so a named pipe that
+    replaced it since it was listed cannot hang the run."""
+    descriptor = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        before = os.fstat(descriptor)
+        if not stat.S_ISREG(before.st_mode):
+            raise ValueError(f"{shown(source)}: is no longer a regular file; it changed while being copied")
+        output = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _copy_range(descriptor, 0, output, 0, before.st_size, bytearray(_BUFFER), advance, source_path=source)
+            os.fsync(output)
+        finally:
+            os.close(output)
+        after = os.fstat(descriptor)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise ValueError(f"{shown(source)}: changed while being copied; copy again when nothing writes it")
+    finally:
+        os.close(descriptor)
 
 
 @dataclass(frozen=True)
@@ -134,7 +163,7 @@ def _write_at(descriptor: int, data, offset: int) -> None:
 
 def _copy_range(
     source: int, source_offset: int, target: int, target_offset: int, length: int, buffer: bytearray,
-    advance: Callable[[int], object],
+    advance: Callable[[int], object], *, source_path: Path,
 ) -> None:
     """Copy ``length`` bytes between files: in the kernel when both offsets agree within a page
     (``copy_file_range``), otherwise through ``buffer``, which is as fast as ``cp`` for that case."""
@@ -152,6 +181,11 @@ def _copy_range(
                 kernel = None  # e.g. across file systems on an old kernel: copy through the buffer
         if copied == 0:
             copied = _copy_through(source, source_offset, target, target_offset, min(step, len(buffer)), buffer)
+        if copied == 0:
+            raise ValueError(
+                f"{shown(source_path)}: ended {remaining} bytes early; it changed while being read: "
+                "rerun when nothing writes it"
+            )
         source_offset, target_offset, remaining = source_offset + copied, target_offset + copied, remaining - copied
         advance(copied)
 
@@ -159,17 +193,16 @@ def _copy_range(
 def _copy_through(source: int, source_offset: int, target: int, target_offset: int, length: int, buffer) -> int:
     view = memoryview(buffer)[:length]
     read = os.preadv(source, [view], source_offset)
-    if read == 0:
-        raise ValueError(f"source file ended early at byte {source_offset}; it changed while being read")
     _write_at(target, view[:read], target_offset)
-    return read
+    return read  # 0 at an early end of file: the caller names the file
 
 
 def _check_written(path: Path, ordered: list[OutputTensor]) -> None:
-    """Re-read the header just written; a mismatch is our bug, so it is an internal invariant."""
+    """Re-read the header just written; a mismatch is our bug, so it is an internal invariant. (The
+    caller reports failures under the user's DST, never under this staging path.)"""
     try:
         with safe_open(path, framework="pt") as handle:
             keys = set(handle.keys())
     except SafetensorError as exc:  # pragma: no cover - would be a bug in the writer
-        raise RuntimeError(f"{path}: the file just written does not read back ({exc})") from None
-    assert keys == {tensor.key for tensor in ordered}, f"{path}: written keys differ from the plan"
+        raise RuntimeError(f"{path.name}: the file just written does not read back ({exc})") from None
+    assert keys == {tensor.key for tensor in ordered}, f"{path.name}: written keys differ from the plan"

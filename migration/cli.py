@@ -2,17 +2,26 @@
 
 Usage mistakes exit with 2 through ``parser.error``; a run that fails (a bad file, a refusal, a
 ``--verify`` mismatch) prints one line naming the file and the key and exits with 1. No traceback
-reaches the user.
+reaches the user, whatever the input or the environment: anything unexpected is still one line.
+
+SIGTERM and SIGHUP (what ``timeout``, docker and Slurm send) clean up like Ctrl-C, and exit with
+128 + the signal's number. The line printed after an interruption or a failure says what exists on
+disk at that moment: nothing new, or DST written completely (see ``_staging.Journal``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from . import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
+from ._staging import Journal, journal
+from ._text import cli_spelling, shown
 
 PROG = "slim-mha-migrate"
 
@@ -20,7 +29,8 @@ _DESCRIPTION = """\
 Migrate nn.MultiheadAttention checkpoints between the stock layout and slim_mha's, which stores no
 key bias. SRC is a .safetensors file, a directory with model.safetensors.index.json (or that index),
 or a .pt/.pth/.bin state dict (loaded with weights_only=True). The output is safetensors, sharded as
-the input was. SRC is never modified, and DST appears complete or not at all."""
+the input was; a checkpoint folder's other files (config.json, tokenizer files, README...) are copied
+unchanged beside the shards. SRC is never modified, and DST appears complete or not at all."""
 
 _SUBCOMMANDS = {
     "strip": (
@@ -102,7 +112,15 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
     sub.add_argument(
         "--force",
         action="store_true",
-        help="replace DST if it exists (a directory only if it holds nothing but checkpoint files)",
+        help="replace DST if it exists: a file only if it is a regular file, a directory only if every "
+        "entry is a regular file a checkpoint output names (shards, index, companion files)",
+    )
+    sub.add_argument(
+        "--no-companions",
+        dest="companions",
+        action="store_false",
+        help="do not copy the non-weight files of a checkpoint folder (config.json, tokenizer files, "
+        "README...) into the output folder",
     )
     if fold_value:
         sub.add_argument(
@@ -126,23 +144,99 @@ def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    """Run the CLI; returns 0, or exits with 1 (failed run) or 2 (usage) and one line on stderr."""
+    """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage) or 128 + N (signal N) and one
+    line on stderr."""
     args = build_parser(prog).parse_args(argv)
     sub: argparse.ArgumentParser = args.parser
-    try:
-        report = _run(args)
-    except KeyboardInterrupt:
-        sub.exit(130, f"{sub.prog}: interrupted; nothing was written\n")
-    except (OSError, ValueError, RuntimeError) as exc:
-        sub.exit(1, f"{sub.prog}: error: {_one_line(exc)}\n")
-    except Exception as exc:  # a bug: still one line, and a way to report it
-        sub.exit(1, f"{sub.prog}: internal error: {type(exc).__name__}: {_one_line(exc)}; nothing was written\n")
-    if args.command == "inspect" or not args.quiet:
+    with _Interrupts() as interrupts, cli_spelling(), journal() as record:
         try:
-            print(format_report(report), flush=True)
-        except BrokenPipeError:  # the reader left early (`| head`): quiet the flush at exit, not an error
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            report = _run(args)
+            if args.command == "inspect" or not args.quiet:
+                _print(format_report(report), sub, record)
+            interrupts.armed = False
+        except KeyboardInterrupt:
+            interrupts.armed = False
+            sub.exit(128 + interrupts.signal, f"{sub.prog}: {_interrupted(record)}\n")
+        except (OSError, ValueError, RuntimeError) as exc:
+            interrupts.armed = False
+            sub.exit(1, f"{sub.prog}: error: {_one_line(exc)}{_written(record)}\n")
+        except Exception as exc:  # a bug, or a broken environment: still one line, and a way to report it
+            interrupts.armed = False
+            state = _written(record) or "; nothing was written"
+            sub.exit(1, f"{sub.prog}: internal error: {type(exc).__name__}: {_one_line(exc)}{state}\n")
     return 0
+
+
+def _print(text: str, sub: argparse.ArgumentParser, record: Journal) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # the reader left early (`| head`): not an error
+        _silence_stdout()
+    except OSError as exc:  # stdout is a full disk (`> /dev/full`) or gone
+        _silence_stdout()
+        state = _written(record) or "; nothing was written"
+        sub.exit(1, f"{sub.prog}: error: cannot print the report to stdout ({exc.strerror or exc}){state}\n")
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit does not fail a second time, with a traceback."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _interrupted(record: Journal) -> str:
+    if record.committed:
+        return f"interrupted after {shown(record.destination)} was written completely{_leftovers(record)}"
+    if record.destination is not None and os.path.lexists(record.destination):
+        return f"interrupted; nothing was written: {shown(record.destination)} was left as it was{_leftovers(record)}"
+    return f"interrupted; nothing was written{_leftovers(record)}"
+
+
+def _written(record: Journal) -> str:
+    """What a failure after the output was moved into place must not hide."""
+    if not record.committed:
+        return _leftovers(record)
+    return f"; {shown(record.destination)} was written completely{_leftovers(record)}"
+
+
+def _leftovers(record: Journal) -> str:
+    return "".join(f"; left {shown(path)}, which the next run removes" for path in record.leftovers)
+
+
+class _Interrupts:
+    """Ctrl-C, SIGTERM and SIGHUP (what ``timeout``, docker and Slurm send) all raise KeyboardInterrupt,
+    so every way of stopping a run cleans up the same way. Only the first one raises, and only while
+    the run is ``armed``: a second Ctrl-C cannot cut the cleanup short, nor a late one the message."""
+
+    _NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.signal = signal.SIGINT  # the one that stopped the run: the exit code is 128 + its number
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread; Ctrl-C still works
+        for name in self._NAMES:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            current = signal.getsignal(signum)
+            if current is signal.SIG_IGN or (name == "SIGINT" and current is not signal.default_int_handler):
+                continue  # nohup stays nohup, and a caller's own Ctrl-C handler stays theirs
+            self._previous[signum] = signal.signal(signum, self._interrupt)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            self.signal = signum
+            raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace):
@@ -153,6 +247,7 @@ def _run(args: argparse.Namespace):
         verify=args.verify,
         dry_run=args.dry_run,
         force=args.force,
+        companions=args.companions,
         progress=False if args.quiet else None,
     )
     if args.command == "to-stock":
@@ -162,7 +257,8 @@ def _run(args: argparse.Namespace):
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """The message on one line, with any control character a module forgot to escape shown escaped."""
+    return shown(" ".join(str(exc).split())) or type(exc).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -61,6 +61,7 @@ class MigrationReport:
     written: bool = False
     verified: bool = False
     notes: tuple[str, ...] = ()
+    companions: tuple[str, ...] = ()  # files copied unchanged beside the shards (config.json...)
 
     @property
     def changed(self) -> tuple[ModuleReport, ...]:
@@ -121,6 +122,9 @@ def _format_migration(report: MigrationReport) -> list[str]:
         f"{_plural(len(report.shards), 'shard')}, {_plural(report.output_tensors or 0, 'tensor')}, "
         f"{_size(report.output_bytes or 0)}"
     )
+    if report.companions:
+        copied = "would copy" if report.dry_run else "copied"
+        lines.append(f"{copied} {_plural(len(report.companions), 'companion file')} unchanged: {', '.join(report.companions)}")
     if report.dry_run:
         lines.append(f"dry run: would write {report.destination} ({what}); nothing was written")
     elif report.written:

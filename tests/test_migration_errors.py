@@ -336,7 +336,7 @@ def test_existing_output_needs_force(tmp_path, stock_file):
     out.write_bytes(b"precious")
     with pytest.raises(FileExistsError) as caught:
         fold_checkpoint(stock_file, out)
-    assert str(caught.value) == f"{out}: already exists; pass --force to replace it"
+    assert str(caught.value) == f"{out}: already exists; pass force=True to replace it"  # API words
     assert out.read_bytes() == b"precious"
     fold_checkpoint(stock_file, out, force=True)
     assert "attn.q_proj_bias" in load_file(out)
@@ -346,18 +346,20 @@ def test_existing_output_directory_needs_force_and_only_holds_checkpoint_files(t
     out = tmp_path / "out"
     out.mkdir()
     fold_checkpoint(sharded, out)  # an empty directory is fine
-    with pytest.raises(FileExistsError, match=re.escape(f"{out}: already exists; pass --force to replace it")):
+    with pytest.raises(FileExistsError, match=re.escape(f"{out}: already exists; pass force=True to replace it")):
         fold_checkpoint(sharded, out)
-    (out / "config.json").write_text("{}")
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(sharded, out, force=True)
-    assert str(caught.value) == (
-        f"{out}: --force would delete 'config.json', which is not a checkpoint file; choose another DST"
-    )
-    (out / "config.json").unlink()
-    (out / "stale.safetensors").write_bytes(b"old")
+    for stranger in ("config.json", "stale.safetensors"):  # neither written by this output nor listed
+        (out / stranger).write_bytes(b"old")
+        with pytest.raises(ValueError) as caught:
+            fold_checkpoint(sharded, out, force=True)
+        assert str(caught.value) == (
+            f"{out}: force=True would delete '{stranger}', which this output does not write; a folder is replaced "
+            "only if it holds nothing but the shards, index and companion files of a checkpoint output: move "
+            "it away or choose another DST"
+        )
+        assert (out / stranger).read_bytes() == b"old"
+        (out / stranger).unlink()
     fold_checkpoint(sharded, out, force=True)
-    assert not (out / "stale.safetensors").exists()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,333 @@
+"""Putting the output in place so that a crash at any moment loses nothing.
+
+Every run writes into a staging path beside DST, named ``.{DST}.slim-mha-staging-{8 hex}``, and holds
+an exclusive ``flock`` on it for as long as the run lives. The kernel drops that lock when the process
+dies, however it dies (SIGKILL included), so the next run can tell litter (unlocked) from another run
+still writing (locked), and removes only the former, saying so.
+
+The finished staging is fsynced (each file, then the folder) and moved into place in one step:
+
+* a file replaces DST with ``rename``, which is atomic;
+* a folder is swapped with an existing DST by ``renameat2(RENAME_EXCHANGE)`` on Linux, so DST is the
+  old tree or the new one at every instant; the old tree is then removed from the staging path.
+  Where the kernel or the file system cannot exchange, DST is first renamed aside to
+  ``.{DST}.slim-mha-retired-{8 hex}`` and the new tree renamed in: a crash between the two renames
+  leaves DST absent with the old tree whole under that name, and the next run renames it back;
+* a DST that does not exist is claimed with ``RENAME_NOREPLACE``, so a DST that appears meanwhile is
+  never overwritten.
+
+Signals are held back during each rename and the bookkeeping that records it, so that what the CLI
+says after an interruption matches what is on disk (:class:`Journal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._text import shown
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: litter is never removed automatically
+    fcntl = None
+
+STAGING_TAG = "slim-mha-staging"
+RETIRED_TAG = "slim-mha-retired"
+_DEFERRED_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)}
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+@dataclass
+class Journal:
+    """What one run did to the disk, for the CLI's message after an interruption or a failure."""
+
+    destination: Path | None = None
+    committed: bool = False  # DST now holds the new output, complete
+    leftovers: list[Path] = field(default_factory=list)  # litter this run could not remove
+
+
+_JOURNAL: ContextVar[Journal | None] = ContextVar("slim_mha_migration_journal", default=None)
+
+
+@contextlib.contextmanager
+def journal() -> Iterator[Journal]:
+    """Record what the migrations run inside this block do (the CLI wraps each run in one)."""
+    record = Journal()
+    token = _JOURNAL.set(record)
+    try:
+        yield record
+    finally:
+        _JOURNAL.reset(token)
+
+
+def _note(**changes) -> None:
+    record = _JOURNAL.get()
+    if record is None:
+        return
+    for name, value in changes.items():
+        if name == "leftover":
+            record.leftovers.append(value)
+        else:
+            setattr(record, name, value)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back for the block: a handler then runs just after it, never
+    between a rename and the record of it, nor in the middle of removing a staging path."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# ------------------------------------------------------------------------------------ litter
+
+
+def _litter_pattern(destination: Path) -> re.Pattern[str]:
+    tags = f"{STAGING_TAG}|{RETIRED_TAG}"
+    return re.compile(rf"\.{re.escape(destination.name)}\.({tags})-[0-9a-f]{{8}}")
+
+
+_LEGACY = r"\.{name}\.[0-9a-f]{{8}}\.tmp(\.old)?"  # the names used before this scheme; never removed
+
+
+def remove_litter(destination: Path) -> tuple[str, ...]:
+    """Remove what interrupted runs left beside ``destination`` (only names of our own kind, only when
+    no live run holds them, and only if they hold nothing but regular files); return what was done."""
+    notes: list[str] = []
+    pattern = _litter_pattern(destination)
+    legacy = re.compile(_LEGACY.format(name=re.escape(destination.name)))
+    parent = destination.parent
+    for name in sorted(os.listdir(parent)):
+        path = parent / name
+        if legacy.fullmatch(name):
+            notes.append(f"{shown(path)} looks left by an interrupted run of an older slim_mha; remove it by hand")
+            continue
+        match = pattern.fullmatch(name)
+        if not match:
+            continue
+        notes.append(_remove_one(path, destination, retired=match.group(1) == RETIRED_TAG))
+    return tuple(notes)
+
+
+def _remove_one(path: Path, destination: Path, *, retired: bool) -> str:
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return f"{shown(path)} vanished while being cleaned up"
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)) or (
+        stat.S_ISDIR(info.st_mode) and not _only_regular_files(path)
+    ):
+        return f"left {shown(path)}: named like our staging, but it holds something we never write"
+    with _held(path) as locked:
+        if not locked:
+            return f"left {shown(path)}: another slim-mha-migrate run is writing it"
+        if retired and not os.path.lexists(destination):
+            with signals_deferred():
+                os.rename(path, destination)
+            return (
+                f"restored {shown(destination)} from {shown(path)}, where an interrupted run had moved it "
+                "while replacing it"
+            )
+        kind = "the previous DST moved aside" if retired else "a partial output"
+        with signals_deferred():
+            _delete(path)
+        return f"removed {shown(path)}, {kind} left by an interrupted run"
+
+
+def _only_regular_files(folder: Path) -> bool:
+    try:
+        return all(entry.is_file(follow_symlinks=False) for entry in os.scandir(folder))
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[bool]:
+    """Try to take the exclusive lock a live run holds on its staging path."""
+    if fcntl is None:  # pragma: no cover - cannot tell a live run from litter: leave it
+        yield False
+        return
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(descriptor)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+# ------------------------------------------------------------------------------------ staging
+
+
+class Staging:
+    """A locked staging file or folder beside ``destination``; :meth:`commit` moves it into place.
+
+    Used as a context manager: leaving the block without a commit removes the staging path.
+    """
+
+    def __init__(self, destination: Path, *, directory: bool) -> None:
+        self.destination = destination
+        self.directory = directory
+        self.path = destination.parent / f".{destination.name}.{STAGING_TAG}-{secrets.token_hex(4)}"
+        self.committed = False
+        self._lock: int | None = None
+
+    def __enter__(self) -> Staging:
+        _note(destination=self.destination, committed=False)
+        if self.directory:
+            self.path.mkdir()
+            self._lock = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        else:
+            self._lock = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        if fcntl is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if not self.committed and os.path.lexists(self.path):
+                try:
+                    with signals_deferred():
+                        _delete(self.path)
+                except OSError:
+                    _note(leftover=self.path)  # locked until we exit; the next run removes it
+        finally:
+            os.close(self._lock)
+
+    def commit(self, *, replace: bool, check: Callable[[], None]) -> None:
+        """Move the staging path to DST. ``replace`` allows an existing DST to be replaced; ``check()``
+        re-runs the destination checks just before, as DST may have changed while we wrote."""
+        if self.directory:
+            _sync(self.path)
+        exists = os.path.lexists(self.destination)
+        if not exists:
+            with signals_deferred():
+                _rename_no_replace(self.path, self.destination)
+                self._record_commit()
+        elif not replace:
+            raise FileExistsError(f"{shown(self.destination)}: appeared while writing; it was left as it was")
+        else:
+            check()
+            if self.directory:
+                self._swap_directory()
+            else:
+                with signals_deferred():
+                    os.replace(self.path, self.destination)
+                    self._record_commit()
+        _sync(self.destination.parent)
+
+    def _record_commit(self) -> None:
+        self.committed = True
+        _note(committed=True)
+
+    def _swap_directory(self) -> None:
+        old = os.open(self.destination, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            if fcntl is not None:  # the old tree is ours to remove: no other run may restore or delete it
+                fcntl.flock(old, fcntl.LOCK_EX)
+            with signals_deferred():
+                if _renameat2(self.path, self.destination, _RENAME_EXCHANGE):
+                    self._record_commit()
+                    aside = self.path  # the old tree now sits under the staging name
+                else:
+                    aside = self.destination.parent / f".{self.destination.name}.{RETIRED_TAG}-{secrets.token_hex(4)}"
+                    os.rename(self.destination, aside)
+                    try:
+                        os.rename(self.path, self.destination)
+                    except BaseException:
+                        os.rename(aside, self.destination)  # put the old tree back before reporting
+                        raise
+                    self._record_commit()
+            try:
+                with signals_deferred():
+                    shutil.rmtree(aside)
+            except OSError:
+                _note(leftover=aside)
+        finally:
+            os.close(old)
+
+
+def _rename_no_replace(source: Path, target: Path) -> None:
+    if _renameat2(source, target, _RENAME_NOREPLACE):
+        return
+    if os.path.lexists(target):  # no atomic no-replace here: check, then rename
+        raise FileExistsError(f"{shown(target)}: appeared while writing; it was left as it was")
+    os.rename(source, target)
+
+
+_libc_renameat2: Callable | None | bool = False  # False: not looked up yet
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> bool:
+    """``renameat2(source, target, flags)``; False where the C library, the kernel or the file system
+    cannot do it, so that the caller falls back to plain renames."""
+    global _libc_renameat2
+    if _libc_renameat2 is False:
+        _libc_renameat2 = None
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                function = ctypes.CDLL(None, use_errno=True).renameat2
+                function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                function.restype = ctypes.c_int
+                _libc_renameat2 = function
+    if _libc_renameat2 is None:
+        return False
+    if _libc_renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    if code == errno.EEXIST:
+        raise FileExistsError(f"{shown(target)}: appeared while writing; it was left as it was")
+    raise OSError(code, os.strerror(code))
+
+
+def _sync(path: Path) -> None:
+    """fsync a folder so that the names in it (the new files, a rename) survive a power cut."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:
+        if exc.errno not in _UNSUPPORTED:  # some file systems cannot sync a folder; nothing to do there
+            raise
+    finally:
+        os.close(descriptor)
+
+
+__all__ = ["Journal", "Staging", "journal", "remove_litter", "signals_deferred"]
