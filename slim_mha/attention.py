@@ -6,18 +6,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.parameter import Parameter
 
+from . import _packed_bias
 from ._explicit_attention import attention_with_weights
-from .bias import SlimBiases, fold_key_bias, keeps_key_bias, unfold_key_bias
+from ._stock_checks import additive_mask, is_batched_mha_input
+from .bias import SlimBiases, fold_key_bias, keeps_key_bias, stock_key_slice
 from .equivariance import _mode as _equivariance
 from . import _unread_weights
 
 __all__ = ["SlimMultiheadAttention"]
 
 _STOCK_BIAS = "in_proj_bias"
+_SPLIT_BIASES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")
 
 
 class SlimMultiheadAttention(nn.MultiheadAttention):
@@ -61,14 +63,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     Compatibility with code written for stock:
 
-    * Reading ``in_proj_bias`` returns the stock ``(3E,)`` layout, computed from the parameters, with
-      a zero key slice (or the kept ``k_proj_bias``), or ``None`` without bias. Together with
-      ``bias_k`` it describes a stock module with the same function, so torch's own
-      ``TransformerEncoderLayer`` fast path, init and inspection code keep working.
-    * Assigning a ``(3E,)`` ``Parameter`` to ``in_proj_bias`` splits it and folds its key slice.
-    * Because the value read is computed, **in-place writes to it** (``nn.init.zeros_(m.in_proj_bias)``,
-      ``m.in_proj_bias.data.copy_(...)``) do not reach the parameters: write to ``q_proj_bias`` and
-      ``v_proj_bias``, or assign a new ``Parameter``.
+    * ``in_proj_bias`` is stock's ``(3E,)`` ``[b_q; b_k; b_v]``, one object that ``q_proj_bias``,
+      ``v_proj_bias`` (and a kept ``k_proj_bias``) are views of, so stock's idioms work on it:
+      ``nn.init.zeros_(m.in_proj_bias)``, ``.copy_``, ``.data.copy_``, ``.requires_grad_``, and
+      ``t.data = t.data.to(dtype)`` (the parameters follow at the next forward or read). Its key
+      slice reads zero unless kept or written; a written key slice is used exactly as stock uses
+      its ``b_k`` (``state_dict`` folds it into ``bias_k``). Gradients that code computing with
+      ``in_proj_bias`` itself accumulates are routed to the parameters. Together with ``bias_k`` it
+      describes a stock module with the same function. See :mod:`slim_mha._packed_bias`.
+    * Assigning a ``(3E,)`` ``Parameter`` to ``in_proj_bias`` makes it that view (as stock registers it).
     * The parameter count is ``embed_dim`` lower than stock's with ``bias=True`` (unless
       ``add_zero_attn``); ``bias_k`` reads as the folded value.
     """
@@ -137,8 +140,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         self.add_zero_attn = add_zero_attn
         keep_key = bias and keeps_key_bias(add_zero_attn=add_zero_attn)
-        for name, present in (("q_proj_bias", bias), ("k_proj_bias", keep_key), ("v_proj_bias", bias)):
-            self.register_parameter(name, Parameter(torch.empty(embed_dim, **factory)) if present else None)
+        # q/k/v_proj_bias are views of one packed tensor, the in_proj_bias view (see _packed_bias).
+        _packed_bias.create(self, bias=bias, keep_key=keep_key, factory=factory)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
 
         if add_bias_kv:
@@ -150,36 +153,42 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        # Same draws, in the same order, as stock: its zero key slice needs no draw either.
+        # Same draws, in the same order, as stock: its zero key slice needs no draw either. The
+        # nn.init functions are looked up at call time, so that wrappers of them (Hugging Face's
+        # init guard skips the tensors it loaded) see these calls as they see stock's.
+        _refuse_stock_checkpoint_dropped_by_loader(self)
         if self._qkv_same_embed_dim:
-            xavier_uniform_(self.in_proj_weight)
+            nn.init.xavier_uniform_(self.in_proj_weight)
         else:
-            xavier_uniform_(self.q_proj_weight)
-            xavier_uniform_(self.k_proj_weight)
-            xavier_uniform_(self.v_proj_weight)
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
         for bias in (self.q_proj_bias, self.k_proj_bias, self.v_proj_bias):
             if bias is not None:
-                constant_(bias, 0.0)
+                nn.init.constant_(bias, 0.0)
+        if self.q_proj_bias is not None and not getattr(self.q_proj_bias, "_is_hf_initialized", False):
+            _packed_bias.set_middle(self, None)  # stock zeroes its b_k with the rest of in_proj_bias
         if self.q_proj_bias is not None and self.out_proj.bias is not None:
-            constant_(self.out_proj.bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
         if self.bias_k is not None:
-            xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_k)
         if self.bias_v is not None:
-            xavier_normal_(self.bias_v)
+            nn.init.xavier_normal_(self.bias_v)
 
     # ------------------------------------------------------------------ stock-compatible bias view
 
     @property
     def in_proj_bias(self) -> Tensor | None:
-        """Stock's packed ``[b_q; b_k; b_v]``, computed: the key slice is zero unless kept."""
-        packed, _ = unfold_key_bias(self._slim_biases(), embed_dim=self.embed_dim)
-        return packed
+        """Stock's packed ``[b_q; b_k; b_v]``: the tensor the bias parameters are views of."""
+        return _packed_bias.stock_view(self)
 
     def __setattr__(self, name: str, value) -> None:
         if name == _STOCK_BIAS:
             self._assign_in_proj_bias(value)
-        else:
-            super().__setattr__(name, value)
+            return
+        super().__setattr__(name, value)
+        if name in _SPLIT_BIASES and (value is None or isinstance(value, Parameter)):
+            _packed_bias.sync(self)  # a new bias parameter becomes a view of the packed tensor
 
     def _assign_in_proj_bias(self, value: Tensor | None) -> None:
         if value is not None and not isinstance(value, Parameter):
@@ -192,17 +201,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 f"in_proj_bias must have shape ({3 * self.embed_dim},) = 3*embed_dim, "
                 f"got {tuple(value.shape)}"
             )
-        with torch.no_grad():
-            biases = fold_key_bias(
-                None if value is None else value.detach(), self.bias_k, add_zero_attn=self.add_zero_attn
-            )
-        requires_grad = value.requires_grad if value is not None else False
-        for name in ("q_proj_bias", "v_proj_bias", "k_proj_bias"):
-            tensor = getattr(biases, name)
-            setattr(self, name, None if tensor is None else Parameter(tensor, requires_grad=requires_grad))
-        if self.bias_k is not None and biases.bias_k is not self.bias_k:
-            with torch.no_grad():
-                self.bias_k.copy_(biases.bias_k)
+        # As stock registers the object: it becomes the packed tensor, its key slice included (used
+        # exactly as stock uses b_k), and new bias parameters are views of it.
+        _packed_bias.assign(self, value, keep_key=keeps_key_bias(add_zero_attn=self.add_zero_attn))
 
     def _slim_biases(self) -> SlimBiases:
         return SlimBiases(self.q_proj_bias, self.v_proj_bias, self.k_proj_bias, self.bias_k)
@@ -214,6 +215,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Without input biases of our own, leave it for torch to report as unexpected.
         stock_key = prefix + _STOCK_BIAS
         mismatched = False
+        middle = _KEEP_MIDDLE
         if stock_key in state_dict and self.q_proj_bias is not None:
             packed = state_dict.pop(stock_key)
             mismatched = tuple(packed.shape) != (3 * self.embed_dim,)
@@ -223,19 +225,68 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                     f"checkpoint, the shape in current model is torch.Size([{3 * self.embed_dim}])."
                 )
             else:
-                with torch.no_grad():
-                    biases = fold_key_bias(
-                        packed, state_dict.get(prefix + "bias_k"), add_zero_attn=self.add_zero_attn
-                    )
+                biases, middle = self._split_stock_bias(packed, state_dict.get(prefix + "bias_k"))
                 for name, tensor in biases._asdict().items():
                     if tensor is not None:
                         state_dict[prefix + name] = tensor
+        elif prefix + "bias_k" in state_dict and self.bias_k is not None:
+            middle = None  # our own layout: the stored bias_k is relative to a zero key slot
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        _packed_bias.sync(self)
+        if middle is not _KEEP_MIDDLE:
+            _packed_bias.set_middle(self, middle)
         if mismatched:  # the size mismatch already names the culprit; our split keys are not missing
-            split = {prefix + name for name in ("q_proj_bias", "v_proj_bias", "k_proj_bias")}
+            split = {prefix + name for name in _SPLIT_BIASES}
             missing_keys[:] = [key for key in missing_keys if key not in split]
+
+    def _split_stock_bias(self, packed: Tensor, bias_k: Tensor | None) -> tuple[SlimBiases, Tensor | None]:
+        """Stock ``(in_proj_bias, bias_k)`` to our parameters and key slot, with stock's function.
+
+        With the checkpoint's ``bias_k`` the key bias is folded into it (our stored layout). A
+        partial load without it keeps this module's ``bias_k``, as stock does; stock's function
+        then adds the loaded ``b_k`` to every key but not to that token, so the key slot keeps it.
+        """
+        with torch.no_grad():
+            if bias_k is None and self.bias_k is not None and not self.add_zero_attn:
+                return fold_key_bias(packed, None), stock_key_slice(packed)
+            return fold_key_bias(packed, bias_k, add_zero_attn=self.add_zero_attn), None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _packed_bias.sync(self)  # take in any in_proj_bias.data = ... first
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        middle = _packed_bias.stock_middle(self)
+        if self.bias_k is not None and middle is not None and bool(middle.any()):
+            # Our layout stores bias_k relative to a zero key slot: fold a written slot into it.
+            with torch.no_grad():
+                folded = fold_key_bias(self.in_proj_bias.detach(), self.bias_k.detach())
+            destination[prefix + "bias_k"] = folded.bias_k
+
+    def _apply(self, fn, recurse=True):
+        # Casts and moves give the parameters new memory: take in a pending in_proj_bias.data = ...
+        # first, and make them views of one packed tensor again afterwards.
+        _packed_bias.sync(self)
+        result = super()._apply(fn, recurse)
+        _packed_bias.sync(self)
+        return result
+
+    def __getstate__(self):
+        # The packed tensor is rebuilt from the parameters on the way in (pickle, deepcopy).
+        state = self.__dict__.copy()
+        state.pop(_packed_bias.STATE_KEY, None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if "_parameters" in self.__dict__:
+            _packed_bias.sync(self)
+
+    def __prepare_scriptable__(self) -> nn.MultiheadAttention:
+        """``torch.jit.script`` compiles the equivalent stock module (see :func:`slim_mha.to_stock`)."""
+        from .convert import to_stock
+
+        return to_stock(self)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -261,7 +312,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         result = self._attend(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
-        if self.check_equivariance or _equivariance.SWITCH.active:  # mode off: these two reads only
+        if (self.check_equivariance or _equivariance.SWITCH.active) and not _packed_bias.is_transforming():
             _equivariance.check_call(
                 self, result, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                 is_causal,
@@ -279,7 +330,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, self.num_heads)
+        is_batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         batch_first = self.batch_first or not is_batched
         if not is_batched:  # unbatched (L, E): a batch of one, batch-first
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -331,9 +382,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         def heads(x: Tensor, weight: Tensor, bias: Tensor | None) -> list[Tensor]:
             parts = weight.shape[0] // E
-            return _split_heads(F.linear(x, weight, bias), parts, self.num_heads, batch_first)
+            if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
+                projected = F.linear(x, weight) + bias
+            else:
+                projected = F.linear(x, weight, bias)
+            return _split_heads(projected, parts, self.num_heads, batch_first)
 
-        bias = self._packed_bias()
+        bias = _packed_bias.fused_bias(self)
         b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
             return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, b_k) + heads(
@@ -345,27 +400,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if key is value:  # encoder-decoder attention: one matmul for keys and values
             return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:])
         return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], b_k) + heads(value, weight[2 * E :], b_v)
-
-    def _packed_bias(self) -> Tensor | None:
-        """``[b_q; b_k or 0; b_v or 0]`` for the fused matmul: gradients flow only to real biases.
-
-        Building it costs a few small ops per call, which is a sizeable share of a small layer's
-        inference time, so without a graph to record it is reused while the bias tensors are the
-        same objects at the same versions (in-place writes bump ``_version``).
-        """
-        biases = (self.q_proj_bias, self.k_proj_bias, self.v_proj_bias)
-        if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(b is not None and b.requires_grad for b in biases)
-        ):
-            return self.in_proj_bias
-        versions = tuple(None if b is None else b._version for b in biases)
-        cached = self.__dict__.get("_packed_bias_cache")
-        if cached is not None and all(a is b for a, b in zip(cached[0], biases)) and cached[1] == versions:
-            return cached[2]
-        with torch.no_grad():
-            packed = self.in_proj_bias
-        self.__dict__["_packed_bias_cache"] = (biases, versions, packed)
-        return packed
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them."""
@@ -399,12 +433,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         Returns the mask and whether SDPA may use ``is_causal`` instead of it (only when no padding
         mask and no weights are involved, exactly as stock decides).
         """
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=dtype,
+        key_padding_mask = additive_mask(
+            key_padding_mask, "key_padding_mask", dtype, other=attn_mask, other_name="attn_mask"
         )
         if is_causal and attn_mask is None:
             raise RuntimeError(
@@ -413,14 +443,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
         if is_causal and key_padding_mask is None and not need_weights:
             return None, True
-        attn_mask = F._canonical_mask(
-            mask=attn_mask,
-            mask_name="attn_mask",
-            other_type=None,
-            other_name="",
-            target_type=dtype,
-            check_other=False,
-        )
+        attn_mask = additive_mask(attn_mask, "attn_mask", dtype)
         appended = self._num_appended()
         if attn_mask is not None:
             attn_mask = self._shape_attn_mask(attn_mask, tgt_len, src_len, batch)
@@ -464,6 +487,31 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if self.add_zero_attn:
             extras.append("add_zero_attn=True")
         return ", ".join(extras)
+
+
+_KEEP_MIDDLE = object()  # _load_from_state_dict: the load says nothing about the key slot
+
+
+def _refuse_stock_checkpoint_dropped_by_loader(module: SlimMultiheadAttention) -> None:
+    """Raise instead of initialising biases that a loader dropped: never a silently wrong model.
+
+    Hugging Face's loader flags each tensor it loaded (``_is_hf_initialized``), reports stock's
+    ``in_proj_bias`` as an unexpected key and then initialises what is missing. Weights flagged as
+    loaded but ``q_proj_bias`` not means a stock checkpoint, whose biases would be lost.
+    """
+    weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
+    bias = module.q_proj_bias
+    if (
+        bias is not None
+        and getattr(weight, "_is_hf_initialized", False)
+        and not getattr(bias, "_is_hf_initialized", False)
+    ):
+        raise RuntimeError(
+            "slim_mha: the loader filled this attention module's projection weight but not q_proj_bias: "
+            "the checkpoint is in stock nn.MultiheadAttention's layout (in_proj_bias), which the loader "
+            "dropped as an unexpected key. Load it without slim_mha.patch() and run "
+            "slim_mha.convert(model), or migrate the checkpoint first with `slim-mha-migrate fold`"
+        )
 
 
 def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:

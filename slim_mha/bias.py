@@ -37,6 +37,7 @@ __all__ = [
     "unfold_key_bias",
     "fold_value_bias",
     "keeps_key_bias",
+    "stock_key_slice",
 ]
 
 
@@ -97,12 +98,23 @@ def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | Non
     with ``b_k = 0`` scores the appended key as ``q·bias_k``, as the slim one does.
     """
     q, v, k = biases.q_proj_bias, biases.v_proj_bias, biases.k_proj_bias
-    present = next((t for t in (q, v, k) if t is not None), None)
+    # A plain loop, not next(generator, default): Dynamo on torch 2.4 cannot trace the latter.
+    present = None
+    for tensor in (q, v, k):
+        if tensor is not None:
+            present = tensor
+            break
     if present is None:
         return None, biases.bias_k
     zeros = present.new_zeros(embed_dim)
     packed = torch.cat([t if t is not None else zeros for t in (q, k, v)])
     return packed, biases.bias_k
+
+
+def stock_key_slice(in_proj_bias: Tensor) -> Tensor:
+    """The key bias ``b_k``: the middle third of stock's packed ``[b_q; b_k; b_v]``."""
+    embed_dim = in_proj_bias.shape[0] // 3
+    return in_proj_bias[embed_dim : 2 * embed_dim]
 
 
 def fold_value_bias(

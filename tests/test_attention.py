@@ -518,17 +518,29 @@ def test_in_proj_bias_keeps_key_slice_with_zero_attn():
     assert torch.equal(slim.in_proj_bias.detach(), stock.in_proj_bias.detach())
 
 
-def test_assigning_in_proj_bias_strips_or_folds_the_key_slice():
+def test_assigning_in_proj_bias_registers_the_object_as_the_stock_view():
+    """As stock registers the assigned Parameter: it is what in_proj_bias returns, key slice included,
+    and the split parameters are views of it; saving folds the key slice into bias_k."""
     stock, slim = stock_and_slim(add_bias_kv=True)
     new_bias = torch.randn(3 * E)
     with torch.no_grad():
         stock.in_proj_bias = nn.Parameter(new_bias.clone())
-    slim.in_proj_bias = nn.Parameter(new_bias.clone())
+    assigned = nn.Parameter(new_bias.clone())
+    slim.in_proj_bias = assigned
+    assert slim.in_proj_bias is assigned
     assert isinstance(slim.q_proj_bias, nn.Parameter) and "in_proj_bias" not in dict(slim.named_parameters())
     assert torch.equal(slim.q_proj_bias.detach(), new_bias[:E])
-    assert torch.equal(slim.in_proj_bias[E : 2 * E].detach(), torch.zeros(E))
+    with torch.no_grad():
+        assigned[2 * E :].add_(1.0), stock.in_proj_bias[2 * E :].add_(1.0)
+    assert torch.equal(slim.v_proj_bias.detach(), new_bias[2 * E :] + 1.0)
     x = torch.randn(L_TGT, BATCH, E)
     torch.testing.assert_close(slim(x, x, x)[0], stock(x, x, x)[0], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(slim(x, x, x)[0], stock(x, x, x)[0], atol=1e-5, rtol=1e-5)
+    reloaded = SlimMultiheadAttention(E, H, add_bias_kv=True)
+    reloaded.load_state_dict(slim.state_dict())
+    assert torch.equal(reloaded.in_proj_bias[E : 2 * E].detach(), torch.zeros(E))  # folded into bias_k
+    torch.testing.assert_close(reloaded(x, x, x)[0], stock(x, x, x)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_assigning_in_proj_bias_rejects_bad_values():
@@ -654,15 +666,15 @@ def test_fully_masked_rows_match_stocks_python_path(mode, weights):
 
 # ------------------------------------------------------------------------------ inference-only paths
 
-HEAD_BY_HEAD = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "inference_mode")))
+BLOCKS = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "inference_mode")))
 
 
-@pytest.mark.parametrize("kpm,attn_mask,appended,mode", HEAD_BY_HEAD)
-def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
-    """Large averaged-weights calls without a graph go head by head; force that path on small inputs."""
+@pytest.mark.parametrize("kpm,attn_mask,appended,mode", BLOCKS)
+def test_averaged_weights_in_blocks_of_query_rows_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
+    """Large averaged-weights calls on CPU go a block of query rows at a time; force it on small inputs."""
     import slim_mha._explicit_attention
 
-    monkeypatch.setattr(slim_mha._explicit_attention, "_LARGE_SCORES_BYTES", 0)
+    monkeypatch.setattr(slim_mha._explicit_attention, "_CPU_CHUNK_SCORES_BYTES", 1)  # one query row per block
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(
@@ -670,27 +682,26 @@ def test_head_by_head_averaged_weights_match_stock(monkeypatch, kpm, attn_mask, 
     )
 
 
-def test_head_by_head_path_is_taken_above_the_threshold(monkeypatch):
-    import slim_mha._explicit_attention
+def test_blocks_are_used_above_the_threshold_and_only_for_averaged_weights(monkeypatch):
+    import slim_mha._explicit_attention as explicit
 
     calls = []
-    original = slim_mha._explicit_attention._attention_averaged_head_by_head
-    monkeypatch.setattr(
-        slim_mha._explicit_attention, "_attention_averaged_head_by_head", lambda *a: calls.append(1) or original(*a)
-    )
-    _, slim = stock_and_slim(batch_first=True)
-    small, large = torch.randn(1, 8, E), torch.randn(1, 512, E)  # scores: 1 KiB and 4 MiB
+    original = explicit._attention_averaged_in_blocks
+    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a: calls.append(a[-1]) or original(*a))
+    stock, slim = stock_and_slim(batch_first=True)
+    small, large = torch.randn(1, 8, E), torch.randn(3, 1200, E)  # scores: 1 KiB and 69 MiB
     with torch.no_grad():
         slim(small, small, small)
         assert calls == []
-        slim(large, large, large)
-        assert calls == [1]
-        slim(large, large, large, average_attn_weights=False)
-    assert calls == [1]
+        weights = slim(large, large, large)[1]
+        torch.testing.assert_close(weights, stock(large, large, large)[1], atol=1e-6, rtol=1e-5)
+        assert calls == [240]  # 5 blocks of at most 16 MiB of scores: 1200 rows / 5
+        slim(large, large, large, average_attn_weights=False)  # the result is (B, H, L, S) anyway
+    assert calls == [240]
 
 
-def test_cached_packed_bias_follows_in_place_writes_and_replacement():
-    """Without a graph the packed [b_q; 0; b_v] is reused; writes to the biases must still show."""
+def test_packed_bias_follows_in_place_writes_and_replacement():
+    """Without a graph the packed in_proj_bias is used as it is; writes to the biases must show."""
     stock, slim = stock_and_slim(batch_first=True)
     stock.eval(), slim.eval()
     x = torch.randn(BATCH, L_TGT, E)
