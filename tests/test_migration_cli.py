@@ -285,3 +285,107 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr == f"{prog} inspect: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
+
+
+# ------------------------------------------------------------------------------------ truthful messages
+
+
+def test_the_cli_and_the_api_each_speak_their_own_words(tmp_path, stock_file, capsys):
+    (tmp_path / "out.safetensors").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match=r"already exists; pass force=True to replace it$"):
+        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors")
+    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--zero-attn", ""], capsys)
+    assert (code, err) == (1, f"{PROG} fold: error: --zero-attn '': expected a module name such as "
+                              "'decoder.layers.0.self_attn'\n")
+    with pytest.raises(ValueError, match=r"^zero_attn '': expected a module name"):
+        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", zero_attn=[""])
+
+
+def test_escape_characters_in_paths_are_shown_escaped(tmp_path, stock_file, capsys):
+    destination = tmp_path / "out\x1b[2K\r.pt"
+    code, out, err = run(["fold", stock_file, destination], capsys)
+    assert code == 1 and out == ""
+    assert err == (f"{PROG} fold: error: {tmp_path}/out\\x1b[2K\\r.pt: the output is one safetensors file, so DST "
+                   "must end in .safetensors\n")
+
+
+def test_a_write_failure_names_the_users_path_not_the_staging_path(tmp_path, sharded, capsys, monkeypatch):
+    def disk_full(path, *args, **kwargs):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(migrate_module, "write_safetensors", disk_full)
+    code, out, err = run(["fold", sharded, tmp_path / "out"], capsys)
+    assert (code, out) == (1, "")
+    assert err == f"{PROG} fold: error: {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was written\n"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, stock_file, capsys, monkeypatch):
+    def interrupted_at(point):
+        if point == "after-commit":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert (code, out) == (130, "")
+    assert err == f"{PROG} fold: interrupted after {tmp_path / 'out.safetensors'} was written completely\n"
+    assert "attn" not in err and load_file(tmp_path / "out.safetensors")
+
+
+def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock_file, capsys, monkeypatch):
+    (tmp_path / "out.safetensors").write_bytes(b"old")
+
+    def interrupted_at(point):
+        if point == "before-commit":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
+    assert code == 130
+    out_path = tmp_path / "out.safetensors"
+    assert err == f"{PROG} fold: interrupted; nothing was written: {out_path} was left as it was\n"
+    assert out_path.read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "stock.safetensors"]
+
+
+def test_a_bug_after_the_output_is_in_place_does_not_say_nothing_was_written(tmp_path, stock_file, capsys, monkeypatch):
+    import slim_mha.migration.cli as cli_module
+
+    def broken(report):
+        raise TypeError("cannot format")
+
+    monkeypatch.setattr(cli_module, "format_report", broken)
+    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert code == 1
+    assert err == (f"{PROG} fold: internal error: TypeError: cannot format; {tmp_path / 'out.safetensors'} "
+                   "was written completely\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_stdout_on_a_full_disk_is_one_line(tmp_path, stock_file):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "slim_mha.migration", "fold", str(stock_file), str(tmp_path / "out.safetensors")],
+            stdout=full, stderr=subprocess.PIPE, text=True, env=_environment(), timeout=120,
+        )
+    assert result.returncode == 1
+    assert result.stderr == (
+        "python -m slim_mha.migration fold: error: cannot print the report to stdout (No space left on device); "
+        f"{tmp_path / 'out.safetensors'} was written completely\n"
+    )
+    assert "dec.attn.q_proj_bias" in load_file(tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("command", [["inspect", "{src}"], ["fold", "{src}", "{tmp}/out.safetensors", "--verify"]],
+                         ids=["inspect", "fold_verify"])
+def test_a_bad_environment_gives_one_line_not_a_traceback(tmp_path, stock_file, command):
+    environment = {**_environment(), "SLIM_MHA_CHECK_EQUIVARIANCE": "yes2"}
+    argv = [arg.format(src=stock_file, tmp=tmp_path) for arg in command]
+    result = subprocess.run([sys.executable, "-m", "slim_mha.migration", *argv], capture_output=True, text=True,
+                            env=environment, timeout=120)
+    assert "Traceback" not in result.stderr
+    if result.returncode:  # fold --verify runs attention, which reads the variable: one line, naming it
+        assert result.stderr.count("\n") == 1 and "SLIM_MHA_CHECK_EQUIVARIANCE" in result.stderr
+        assert not (tmp_path / "out.safetensors").exists()
+    else:
+        assert result.stderr == "" and command[0] == "inspect"
