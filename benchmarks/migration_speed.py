@@ -15,8 +15,14 @@ Peak memory: each command runs in a fresh child that imports everything first, t
 kernel's peak-RSS mark (``/proc/self/clear_refs``) and reports its peak (``VmHWM``) minus its RSS at
 that point: the memory the migration itself took, with the import-time peak of torch excluded.
 
-    python benchmarks/migration_speed.py                 # 1 GiB, 4 shards, 5 rounds
+Many tensors (issue 11): single files of 250 to 2,000 small attention modules (4 tensors each), and
+files of 50,000 tiny tensors holding 1 or 2,000 modules, each folded in process (interleaved rounds),
+then the two largest end to end through the CLI. The cost per tensor should stay flat as the count
+grows: a run that re-parses a header per read grows quadratically.
+
+    python benchmarks/migration_speed.py                 # 1 GiB, 4 shards, 5 rounds; then many tensors
     python benchmarks/migration_speed.py --size-gib 0.25 --shards 2 --repeats 3
+    python benchmarks/migration_speed.py --only many-tensors --repeats 3
 """
 
 from __future__ import annotations
@@ -97,6 +103,73 @@ def build_checkpoint(directory: Path, size_bytes: int, shards: int) -> list[int]
     return sizes
 
 
+def many_tensors_file(path: Path, modules: int, tiny: int) -> int:
+    """One safetensors file of ``modules`` stock attention modules of width 8 (4 tensors each) and
+    ``tiny`` one-element tensors; returns the number of tensors."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for number in range(modules):
+        prefix = f"layers.{number}.attn."
+        tensors[prefix + "in_proj_weight"] = torch.randn(24, 8, generator=generator)
+        tensors[prefix + "in_proj_bias"] = torch.randn(24, generator=generator)
+        tensors[prefix + "out_proj.weight"] = torch.randn(8, 8, generator=generator)
+        tensors[prefix + "out_proj.bias"] = torch.randn(8, generator=generator)
+    for number in range(tiny):
+        tensors[f"extra.{number}.scale"] = torch.randn(1, generator=generator)
+    save_file(tensors, path)
+    return len(tensors)
+
+
+def run_many_tensors(work: Path, repeats: int) -> None:
+    """Fold time against the number of tensors: flat per tensor when the migration is linear."""
+    cases = {  # name -> (modules, tiny tensors)
+        "250 modules": (250, 0),
+        "500 modules": (500, 0),
+        "1,000 modules": (1000, 0),
+        "2,000 modules": (2000, 0),
+        "50,000 tensors, 1 module": (1, 50_000 - 4),
+        "50,000 tensors, 2,000 modules": (2000, 50_000 - 8000),
+    }
+    files, counts = {}, {}
+    for number, (name, (modules, tiny)) in enumerate(cases.items()):
+        files[name] = work / f"many{number}.safetensors"
+        counts[name] = many_tensors_file(files[name], modules, tiny)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name in cases:
+            output = work / "many-out.safetensors"
+            times[name].append(timed(lambda: fold_checkpoint(files[name], output, progress=False)))
+            output.unlink()
+    print(f"\nmany tensors: fold (API) in process, median of {repeats} interleaved rounds")
+    print(f"{'file':<31} {'tensors':>8} {'MiB':>6} {'median s':>9} {'us/tensor':>10}   per round")
+    for name, values in times.items():
+        median = statistics.median(values)
+        size = files[name].stat().st_size / 2**20
+        rounds = " ".join(f"{value:.2f}" for value in values)
+        print(f"{name:<31} {counts[name]:>8} {size:6.2f} {median:9.3f} {median / counts[name] * 1e6:10.1f}   {rounds}")
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = {
+        "start-up": lambda: subprocess.run([sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env=env),
+        **{
+            f"CLI fold, {name}": lambda name=name: subprocess.run(
+                [sys.executable, "-m", "slim_mha.migration", "fold", str(files[name]),
+                 str(work / "many-cli.safetensors"), "--quiet", "--force"],
+                check=True, env=env,
+            )
+            for name in ("2,000 modules", "50,000 tensors, 2,000 modules")
+        },
+    }
+    cli_times: dict[str, list[float]] = {name: [] for name in cli}
+    for _ in range(repeats):
+        for name, action in cli.items():
+            cli_times[name].append(timed(action))
+    print(f"\nend to end (python -m slim_mha.migration fold ... --quiet), median of {repeats} interleaved rounds")
+    for name, values in cli_times.items():
+        rounds = " ".join(f"{value:.2f}" for value in values)
+        print(f"{name:<44} {statistics.median(values):7.3f} s   {rounds}")
+
+
 def timed(action) -> float:
     os.sync()
     start = time.perf_counter()
@@ -122,60 +195,70 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
+    parser.add_argument("--only", choices=["copy", "many-tensors"], default=None,
+                        help="run one part: the 1 GiB comparison with cp, or the many-tensors scaling")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="slim-mha-migration-bench-", dir=args.dir))
     try:
-        source = work / "stock"
-        sizes = build_checkpoint(source, int(args.size_gib * 2**30), args.shards)
-        total = sum(sizes)
-        print(f"checkpoint: {total / 2**30:.3f} GiB in {len(sizes)} shards (largest {max(sizes) / 2**20:.1f} MiB), "
-              f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
-        runs = {
-            "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
-            "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
-            "fold (CLI)": lambda: subprocess.run(
-                [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(work / "cli"), "--quiet"],
-                check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-            ),
-            # The CLI's fixed cost: start Python and import torch, safetensors and migration.
-            "start-up": lambda: subprocess.run(
-                [sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
-            ),
-        }
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(args.repeats):
-            for name, action in runs.items():
-                times[name].append(timed(action))
-            for leftover in ("copy", "api", "cli"):
-                shutil.rmtree(work / leftover)
-        # "x cp" is the median over rounds of (this run / the cp run of the same round): robust to the
-        # machine's load drifting between rounds.
-        print(f"\n{'command':<12} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6}   per round")
-        for name, values in times.items():
-            median = statistics.median(values)
-            ratio = statistics.median(value / copy for value, copy in zip(values, times["cp -r"]))
-            rounds = " ".join(f"{value:.2f}" for value in values)
-            print(f"{name:<12} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratio:6.2f}   {rounds}")
-
-        print(f"\npeak RSS during the run, above the RSS after imports; largest shard {max(sizes) / 2**20:.1f} MiB")
-        # A torch pickle is one shard by definition: the largest shard, re-saved as a .pt.
-        largest = source / f"model-{sizes.index(max(sizes)) + 1:05d}-of-{len(sizes):05d}.safetensors"
-        torch.save({"state_dict": load_file(largest)}, work / "largest.pt")
-        for label, argv in (
-            ("fold", ["fold", str(source), str(work / "m1"), "--quiet"]),
-            ("fold --verify", ["fold", str(source), str(work / "m2"), "--quiet", "--verify"]),
-            ("fold --fold-value-bias --verify", ["fold", str(source), str(work / "m3"), "--quiet", "--verify",
-                                                 "--fold-value-bias"]),
-            ("to-stock --verify", ["to-stock", str(work / "m1"), str(work / "m4"), "--quiet", "--verify"]),
-            ("inspect", ["inspect", str(source)]),
-            (".pt (= largest shard) fold --verify", ["fold", str(work / "largest.pt"), str(work / "pt.safetensors"),
-                                                     "--quiet", "--verify"]),
-        ):
-            extra = child_extra_memory(*argv)
-            print(f"{label:<36} extra {extra / 2**20:7.1f} MiB = {extra / max(sizes):.3f} x largest shard")
+        if args.only != "many-tensors":
+            run_copy_comparison(work, args)
+        if args.only != "copy":
+            run_many_tensors(work, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
+    """Speed against cp -r, and peak memory against the largest shard, on a 1 GiB sharded checkpoint."""
+    source = work / "stock"
+    sizes = build_checkpoint(source, int(args.size_gib * 2**30), args.shards)
+    total = sum(sizes)
+    print(f"checkpoint: {total / 2**30:.3f} GiB in {len(sizes)} shards (largest {max(sizes) / 2**20:.1f} MiB), "
+          f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    runs = {
+        "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
+        "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
+        "fold (CLI)": lambda: subprocess.run(
+            [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(work / "cli"), "--quiet"],
+            check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        ),
+        # The CLI's fixed cost: start Python and import torch, safetensors and migration.
+        "start-up": lambda: subprocess.run(
+            [sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        ),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, action in runs.items():
+            times[name].append(timed(action))
+        for leftover in ("copy", "api", "cli"):
+            shutil.rmtree(work / leftover)
+    # "x cp" is the median over rounds of (this run / the cp run of the same round): robust to the
+    # machine's load drifting between rounds.
+    print(f"\n{'command':<12} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6}   per round")
+    for name, values in times.items():
+        median = statistics.median(values)
+        ratio = statistics.median(value / copy for value, copy in zip(values, times["cp -r"]))
+        rounds = " ".join(f"{value:.2f}" for value in values)
+        print(f"{name:<12} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratio:6.2f}   {rounds}")
+
+    print(f"\npeak RSS during the run, above the RSS after imports; largest shard {max(sizes) / 2**20:.1f} MiB")
+    # A torch pickle is one shard by definition: the largest shard, re-saved as a .pt.
+    largest = source / f"model-{sizes.index(max(sizes)) + 1:05d}-of-{len(sizes):05d}.safetensors"
+    torch.save({"state_dict": load_file(largest)}, work / "largest.pt")
+    for label, argv in (
+        ("fold", ["fold", str(source), str(work / "m1"), "--quiet"]),
+        ("fold --verify", ["fold", str(source), str(work / "m2"), "--quiet", "--verify"]),
+        ("fold --fold-value-bias --verify", ["fold", str(source), str(work / "m3"), "--quiet", "--verify",
+                                             "--fold-value-bias"]),
+        ("to-stock --verify", ["to-stock", str(work / "m1"), str(work / "m4"), "--quiet", "--verify"]),
+        ("inspect", ["inspect", str(source)]),
+        (".pt (= largest shard) fold --verify", ["fold", str(work / "largest.pt"), str(work / "pt.safetensors"),
+                                                 "--quiet", "--verify"]),
+    ):
+        extra = child_extra_memory(*argv)
+        print(f"{label:<36} extra {extra / 2**20:7.1f} MiB = {extra / max(sizes):.3f} x largest shard")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ _MEMBERS = ("out_proj.weight", "out_proj.bias")
 _ORDER = _ANCHORS + _MEMBERS  # weights, biases, appended tokens, output: stock's declaration order
 _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 _SLIM_BIASES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")
+_LAST_PARTS = {local.rpartition(".")[2] for local in _ANCHORS + _MEMBERS}
 
 
 @dataclass(eq=False)
@@ -98,6 +99,8 @@ def find_attention_modules(checkpoint: Checkpoint) -> list[AttentionGroup]:
     """
     groups: dict[str, dict[str, TensorRecord]] = {}
     for key, record in checkpoint.records.items():
+        if key.rpartition(".")[2] not in _LAST_PARTS:
+            continue  # most tensors of a large model: one set lookup instead of a dozen suffix tests
         for local in _ANCHORS + _MEMBERS:
             if key == local or key.endswith("." + local):
                 groups.setdefault(key[: len(key) - len(local)], {})[local] = record
