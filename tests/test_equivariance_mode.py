@@ -462,7 +462,7 @@ def test_error_names_the_module_the_output_the_errors_and_the_permutations():
     assert "> tolerance" in message and "(float64: 1e-10 x max|output|" not in message
     assert "(float64: 1e-10 x max|expected|" in message and "max rel error" in message
     assert "weights:" not in message  # the leak is in the output only
-    assert f"query (3, 5, 16), key (3, 7, 16), value (3, 7, 16), tokens on dim 1 (batch_first=True)" in message
+    assert "query (3, 5, 16), key (3, 7, 16), value (3, 7, 16), tokens on dim 1 (batch_first=True)" in message
     assert error.module_name == "blocks.1"
     assert [e.name for e in error.errors] == ["output"] and error.errors[0].max_rel > 1e-2
     assert f"reproduce: seed {error.seed} drew query permutation" in message

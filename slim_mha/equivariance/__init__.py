@@ -17,11 +17,12 @@ output's largest magnitude.
 * :func:`checking_equivariance`, ``SlimMultiheadAttention(check_equivariance=True)`` and the
   environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE`` make slim attention check its own calls.
 * :func:`assert_permutation_equivariant`, :func:`assert_permutation_invariant` and
-  :func:`permutation_equivariance_error` check any function or model, and name the first submodule
-  whose output stops being equivariant.
+  :func:`permutation_equivariance_error` check any function or model, and name where the property
+  first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).
 """
 
 from ._checker import (
+    Culprit,
     OutputCheck,
     PermutationErrors,
     SubmoduleCheck,
@@ -30,6 +31,7 @@ from ._checker import (
     format_permutation_error,
     permutation_equivariance_error,
 )
+from ._locate import CallSite
 from ._measure import TOLERANCE, EquivarianceError, TensorError, draw_permutation
 from ._mode import ENVIRONMENT_VARIABLE, checking_equivariance
 
@@ -43,6 +45,8 @@ __all__ = [
     "PermutationErrors",
     "OutputCheck",
     "SubmoduleCheck",
+    "Culprit",
+    "CallSite",
     "TensorError",
     "TOLERANCE",
     "ENVIRONMENT_VARIABLE",

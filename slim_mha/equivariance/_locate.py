@@ -186,7 +186,8 @@ def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
             counts[name] = call + 1
             parent = running[-1].name if running else None
             record = _Call(
-                name, type(submodule).__name__, call, parent, _call_site(), _tensor_inputs(submodule, args, kwargs),
+                name, type(submodule).__name__, call, parent, _call_site(submodule),
+                _tensor_inputs(submodule, args, kwargs),
                 next(events),
             )
             calls.append(record)
@@ -220,10 +221,18 @@ def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
             handle.remove()
 
 
-def _call_site() -> CallSite | None:
-    """The frame that called the submodule: the first one above the hook outside torch's call machinery."""
+def _call_site(submodule: nn.Module) -> CallSite | None:
+    """The frame that called the submodule: the first one above the hook that is not part of the call.
+
+    Part of the call: torch's call machinery, and any frame whose first argument is the submodule
+    itself (a ``__call__`` its class overrides, and the decorators around one, as torch_geometric's
+    aggregations have).
+    """
     frame = sys._getframe(2)
-    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _CALL_MACHINERY:
+    while frame is not None and (
+        os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _CALL_MACHINERY
+        or _first_argument(frame) is submodule
+    ):
         frame = frame.f_back
     if frame is None:
         return None
@@ -236,6 +245,16 @@ def _call_site() -> CallSite | None:
         first_line=code.co_firstlineno,
         last_line=max(lines, default=code.co_firstlineno),
     )
+
+
+def _first_argument(frame):
+    code = frame.f_code
+    if code.co_argcount:
+        return frame.f_locals.get(code.co_varnames[0])
+    if code.co_flags & inspect.CO_VARARGS:  # def wrapper(*args, **kwargs)
+        packed = frame.f_locals.get(code.co_varnames[code.co_kwonlyargcount])
+        return packed[0] if isinstance(packed, tuple) and packed else None
+    return None
 
 
 def _tensor_inputs(submodule: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Tensor]]:
