@@ -25,7 +25,7 @@ from ._text import option, shown
 # since the output holds the converted weights and a stale copy of the originals could be loaded instead.
 WEIGHT_SUFFIXES = (
     ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json", ".h5", ".msgpack", ".onnx", ".gguf",
-    ".ggml", ".pb", ".tflite", ".ot", ".npz", ".pkl", ".pickle",
+    ".ggml", ".onnx_data", ".pb", ".tflite", ".ot", ".npz", ".pkl", ".pickle",
 )
 
 
@@ -60,7 +60,12 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
     if not os.path.lexists(destination):
         return
     if writes_directory:
-        if destination.is_symlink() or not destination.is_dir():
+        if destination.is_symlink():
+            raise ValueError(
+                f"{shown(destination)}: is a symbolic link; the output folder is put in place as a whole, so "
+                "DST must be a real folder: give the link's target, or choose another DST"
+            )
+        if not destination.is_dir():
             raise ValueError(
                 f"{shown(destination)}: exists and is not a directory; remove it or choose another DST"
             )

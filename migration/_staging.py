@@ -127,7 +127,10 @@ def remove_litter(destination: Path) -> tuple[str, ...]:
         match = pattern.fullmatch(name)
         if not match:
             continue
-        notes.append(_remove_one(path, destination, retired=match.group(1) == RETIRED_TAG))
+        try:
+            notes.append(_remove_one(path, destination, retired=match.group(1) == RETIRED_TAG))
+        except OSError as exc:  # litter we cannot remove must not stop the run; it is only litter
+            notes.append(f"could not remove {shown(path)}, left by an interrupted run ({exc.strerror or exc})")
     return tuple(notes)
 
 

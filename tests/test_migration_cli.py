@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import slim_mha.migration._migrate as migrate_module

@@ -124,6 +124,13 @@ def test_force_refuses_a_file_destination_that_is_a_symlink(tmp_path):
                    "remove the link or choose another DST")
 
 
+def test_a_directory_destination_that_is_a_symlink_is_refused(tmp_path, sharded):
+    fold_checkpoint(sharded, tmp_path / "real_out")
+    os.symlink(tmp_path / "real_out", tmp_path / "out")
+    _force_refused(sharded, tmp_path / "out", f"{tmp_path / 'out'}: is a symbolic link; the output folder is put in "
+                   "place as a whole, so DST must be a real folder: give the link's target, or choose another DST")
+
+
 # ---------------------------------------------------------------------------------- inputs through symlinks
 
 
@@ -250,6 +257,19 @@ def test_litter_is_removed_only_when_no_live_run_holds_it(tmp_path, sharded):
         f"left {live}: another slim-mha-migrate run is writing it",
         f"left {strange}: named like our staging, but it holds something we never write",
     )
+
+
+def test_litter_that_cannot_be_removed_is_said_and_does_not_stop_the_run(tmp_path, sharded, monkeypatch):
+    stale = tmp_path / ".out.slim-mha-staging-00000001"
+    stale.write_bytes(b"partial")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(staging_module, "_delete", refuse)
+    report = fold_checkpoint(sharded, tmp_path / "out")
+    assert report.notes == (f"could not remove {stale}, left by an interrupted run (Permission denied)",)
+    assert stale.exists() and (tmp_path / "out" / "config.json").exists()
 
 
 def test_dry_run_leaves_litter_alone(tmp_path, sharded):
