@@ -1,0 +1,99 @@
+"""Stock ``nn.MultiheadAttention``'s input checks and mask canonicalisation, as plain Python.
+
+Stock calls the private ``torch.nn.functional._mha_shape_check``, ``_canonical_mask`` and
+``_none_or_dtype``. Calling them from here would tie us to torch's private API, and on older
+torch (2.4 to about 2.5) Dynamo lists them as "in-graph" torch functions instead of inlining them:
+``_mha_shape_check`` then fails ``torch.compile(fullgraph=True)`` and strict ``torch.export`` with
+"torch.* op returned non-Tensor bool". These copies are ordinary functions that Dynamo inlines on
+every torch version, and they raise stock's exceptions with stock's wording (identical from torch
+2.4 to 2.13; tests/test_stock_checks.py compares them with the installed torch's).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+
+def is_batched_mha_input(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    num_heads: int,
+) -> bool:
+    """Stock's shape check: ``True`` for batched 3-D inputs, ``False`` for unbatched 2-D ones.
+
+    Raises ``AssertionError`` with stock's message on any other combination of dimensions.
+    """
+    if query.dim() == 3:
+        if key.dim() != 3 or value.dim() != 3:
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `key` and `value` to be 3-D"
+                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+            )
+        if key_padding_mask is not None and key_padding_mask.dim() != 2:
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
+                f" but found {key_padding_mask.dim()}-D tensor instead"
+            )
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise AssertionError(
+                "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+                f" but found {attn_mask.dim()}-D tensor instead"
+            )
+        return True
+    if query.dim() == 2:
+        if key.dim() != 2 or value.dim() != 2:
+            raise AssertionError(
+                "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
+                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+            )
+        if key_padding_mask is not None and key_padding_mask.dim() != 1:
+            raise AssertionError(
+                "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
+                f" but found {key_padding_mask.dim()}-D tensor instead"
+            )
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 3):
+                raise AssertionError(
+                    "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+                    f" but found {attn_mask.dim()}-D tensor instead"
+                )
+            expected_shape = (num_heads, query.shape[0], key.shape[0])
+            if attn_mask.dim() == 3 and attn_mask.shape != expected_shape:
+                raise AssertionError(f"Expected `attn_mask` shape to be {expected_shape} but got {attn_mask.shape}")
+        return False
+    raise AssertionError(
+        f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
+    )
+
+
+def additive_mask(
+    mask: Tensor | None,
+    mask_name: str,
+    target_dtype: torch.dtype,
+    *,
+    other: Tensor | None = None,
+    other_name: str = "",
+) -> Tensor | None:
+    """Stock's mask canonicalisation: a bool mask becomes ``0`` / ``-inf`` in ``target_dtype``.
+
+    A float mask is returned as it is. Other dtypes raise stock's ``AssertionError``; a mask whose
+    dtype differs from ``other``'s gets stock's deprecation warning.
+    """
+    if mask is None:
+        return None
+    is_float = torch.is_floating_point(mask)
+    if mask.dtype != torch.bool and not is_float:
+        raise AssertionError(f"only bool and floating types of {mask_name} are supported")
+    if other is not None and mask.dtype != other.dtype:
+        warnings.warn(
+            f"Support for mismatched {mask_name} and {other_name} is deprecated. Use same type for both instead."
+        )
+    if is_float:
+        return mask
+    return torch.zeros_like(mask, dtype=target_dtype).masked_fill_(mask, float("-inf"))
