@@ -12,7 +12,6 @@ from torch.nn.parameter import Parameter
 from . import _packed_bias
 from ._explicit_attention import attention_with_weights
 from ._stock_checks import additive_mask, is_batched_mha_input
-from ._stock_checks import additive_mask, is_batched_mha_input
 from .bias import SlimBiases, fold_key_bias, keeps_key_bias, stock_key_slice
 from .equivariance import _mode as _equivariance
 from . import _unread_weights
