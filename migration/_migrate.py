@@ -215,9 +215,10 @@ def _unchanged(plans: list[ModulePlan]) -> str:
         return f"all {len(plans)} attention modules are already in the {state} layout"
     if not reasons["already"]:
         return f"none of its {len(plans)} attention modules has input biases (bias=False)"
+    already, biasless = reasons["already"], reasons["no input bias"]
     return (
-        f"of its {len(plans)} attention modules, {reasons['already']} are already in the {state} layout and "
-        f"{reasons['no input bias']} have no input biases (bias=False)"
+        f"of its {len(plans)} attention modules, {already} {'is' if already == 1 else 'are'} already in the "
+        f"{state} layout and {biasless} {'has' if biasless == 1 else 'have'} no input biases (bias=False)"
     )
 
 
