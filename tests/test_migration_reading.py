@@ -554,12 +554,24 @@ def test_inspect_and_fold_agree_on_a_checkpoint_without_biases(tmp_path, capsys)
     with pytest.raises(ValueError) as caught:
         fold_checkpoint(tmp_path / "slim.safetensors", tmp_path / "again.safetensors")
     assert str(caught.value) == (
-        f"{tmp_path / 'slim.safetensors'}: nothing to do: of its 3 attention modules, 1 are already in the slim "
+        f"{tmp_path / 'slim.safetensors'}: nothing to do: of its 3 attention modules, 1 is already in the slim "
         "layout and 2 have no input biases (bias=False); nothing was written"
     )
     with pytest.raises(ValueError, match="none of its 2 attention modules has input biases"):
         save_file({**prefixed(stock_attention(bias=False), "a."), **prefixed(stock_attention(bias=False), "b.")}, path)
         fold_checkpoint(path, tmp_path / "out.safetensors")
+
+
+def test_a_folder_with_both_layouts_is_read_through_its_safetensors(tmp_path):
+    """Hugging Face repositories often hold both; transformers, too, prefers the safetensors files."""
+    stock = stock_attention(seed=6)
+    source = save_sharded(prefixed(stock, "attn."), tmp_path / "repo", [sorted(prefixed(stock, "attn."))])
+    torch.save({key: torch.zeros_like(value) for key, value in prefixed(stock, "attn.").items()},
+               source / "pytorch_model.bin")
+    (source / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {}}))
+    report = inspect_checkpoint(source)
+    assert report.shards == ("model-00001-of-00001.safetensors",)
+    assert report.modules[0].key_bias == "non-zero"
 
 
 def test_errors_name_the_path_the_user_gave(tmp_path, two_shards, monkeypatch, capsys):
