@@ -229,7 +229,8 @@ def check_call(
     """Called by ``SlimMultiheadAttention.forward`` when checking may be on; checks this call if due.
 
     Raises:
-        EquivarianceError: if the call broke equivariance, or used ``is_causal=True``.
+        EquivarianceError: if the call broke equivariance, or used ``is_causal=True`` without ``attn_mask``.
+        ValueError: if the call follows ``SLIM_MHA_CHECK_EQUIVARIANCE`` and its value is not understood.
     """
     __tracebackhide__ = True
     if _transformed():
