@@ -1,0 +1,93 @@
+"""slim_mha._stock_checks against the installed torch's private helpers it replaces.
+
+Each case runs our function and torch's on the same inputs and compares what comes back: the
+result, or the exception's type and message, and the warnings raised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slim_mha._stock_checks import additive_mask, is_batched_mha_input
+
+H, L, S, E = 2, 3, 5, 4
+
+
+def outcome(call):
+    """What ``call()`` returns (tensors compared by value), or the type and message it raised, and its warnings."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = call()
+        except Exception as error:
+            result = (type(error), str(error))
+    if torch.is_tensor(result):
+        result = ("tensor", result.dtype, tuple(result.shape), result.tolist())
+    return result, [str(w.message) for w in caught]
+
+
+def tensor_of_dim(dim: int, length: int, width: int | None = None, batch: int = 3) -> torch.Tensor:
+    shape = {1: (length,), 2: (length, width), 3: (length, batch, width), 4: (1, length, batch, width)}[dim]
+    return torch.zeros(tuple(s for s in shape if s is not None))
+
+
+def shape_cases():
+    """Every dimension 1-4 of query, key and value; masks absent or of dimension 1-4."""
+    for q_dim, kv_dim, kpm_dim, mask_dim in itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (None, 1, 2, 3), (None, 1, 2, 3, 4)):
+        yield q_dim, kv_dim, kpm_dim, mask_dim
+
+
+@pytest.mark.parametrize("q_dim, kv_dim, kpm_dim, mask_dim", list(shape_cases()))
+def test_shape_check_matches_stock(q_dim, kv_dim, kpm_dim, mask_dim):
+    query, key = tensor_of_dim(q_dim, L, E), tensor_of_dim(kv_dim, S, E)
+    padding = None if kpm_dim is None else torch.zeros({1: (S,), 2: (3, S), 3: (3, S, 1)}[kpm_dim], dtype=torch.bool)
+    mask = None if mask_dim is None else torch.zeros({1: (S,), 2: (L, S), 3: (H, L, S), 4: (1, H, L, S)}[mask_dim])
+    args = (query, key, key, padding, mask, H)
+    assert outcome(lambda: is_batched_mha_input(*args)) == outcome(lambda: F._mha_shape_check(*args))
+
+
+@pytest.mark.parametrize("wrong", [(H + 1, L, S), (H, L + 1, S), (H, L, S + 1)])
+def test_shape_check_matches_stock_on_a_wrong_unbatched_3d_mask(wrong):
+    query, key, mask = torch.zeros(L, E), torch.zeros(S, E), torch.zeros(wrong)
+    expected = outcome(lambda: F._mha_shape_check(query, key, key, None, mask, H))
+    assert expected[0][0] is AssertionError  # the case does fail in stock
+    assert outcome(lambda: is_batched_mha_input(query, key, key, None, mask, H)) == expected
+
+
+MASK_DTYPES = (torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8)
+
+
+@pytest.mark.parametrize("mask_dtype", MASK_DTYPES)
+@pytest.mark.parametrize("other_dtype", (None, torch.bool, torch.float32))
+@pytest.mark.parametrize("target", (torch.float32, torch.float64, torch.bfloat16))
+def test_additive_mask_matches_stock(mask_dtype, other_dtype, target):
+    mask = (torch.arange(L * S).view(L, S) % 3 == 0).to(mask_dtype)
+    other = None if other_dtype is None else torch.zeros(L, S, dtype=other_dtype)
+    ours = outcome(lambda: additive_mask(mask, "key_padding_mask", target, other=other, other_name="attn_mask"))
+    stock = outcome(
+        lambda: F._canonical_mask(
+            mask=mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(other),
+            other_name="attn_mask",
+            target_type=target,
+        )
+    )
+    assert ours == stock
+
+
+def test_additive_mask_of_none_is_none():
+    assert additive_mask(None, "attn_mask", torch.float32) is None
+
+
+def test_additive_mask_returns_a_float_mask_itself_and_leaves_a_bool_mask_alone():
+    float_mask = torch.zeros(L, S)
+    assert additive_mask(float_mask, "attn_mask", torch.float64) is float_mask
+    bool_mask = torch.ones(L, S, dtype=torch.bool)
+    additive_mask(bool_mask, "attn_mask", torch.float32)
+    assert bool_mask.dtype == torch.bool and bool_mask.all()
