@@ -356,9 +356,10 @@ def _write_output(
     try:
         with staging:
             for number, (name, tensors) in enumerate(files):
-                path = staging.path / name if checkpoint.writes_directory else staging.path
+                path, final = (staging.path / name, destination / name) if checkpoint.writes_directory else (
+                    staging.path, destination)
                 bar.set_postfix_str(name, refresh=False)
-                write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update)
+                write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update, shown_as=final)
                 if number == 0:
                     _pause_for_tests("after-first-shard")
             if checkpoint.kind == "sharded":

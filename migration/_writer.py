@@ -50,9 +50,11 @@ class OutputTensor:
 
 
 def write_safetensors(
-    path: Path, tensors: list[OutputTensor], metadata: dict[str, str], advance: Callable[[int], object]
+    path: Path, tensors: list[OutputTensor], metadata: dict[str, str], advance: Callable[[int], object],
+    *, shown_as: Path | None = None,
 ) -> None:
-    """Write ``tensors`` to the file at ``path`` and fsync it; ``advance(n)`` is called as bytes are written."""
+    """Write ``tensors`` to the file at ``path`` and fsync it; ``advance(n)`` is called as bytes are written.
+    Messages name the file as ``shown_as`` (where it will end up), not as the staging ``path``."""
     ordered = sorted(tensors, key=lambda tensor: (-ITEM_SIZES.get(tensor.dtype, 1), tensor.key))
     offsets = [0]
     for tensor in ordered:
@@ -84,7 +86,7 @@ def write_safetensors(
         os.close(target)
         for descriptor in sources.values():
             os.close(descriptor)
-    _check_written(path, ordered)
+    _check_written(path, ordered, shown_as or path)
 
 
 def copy_file(source: Path, target: Path, advance: Callable[[int], object]) -> None:
@@ -197,12 +199,11 @@ def _copy_through(source: int, source_offset: int, target: int, target_offset: i
     return read  # 0 at an early end of file: the caller names the file
 
 
-def _check_written(path: Path, ordered: list[OutputTensor]) -> None:
-    """Re-read the header just written; a mismatch is our bug, so it is an internal invariant. (The
-    caller reports failures under the user's DST, never under this staging path.)"""
+def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> None:
+    """Re-read the header just written; a mismatch is our bug, so it is an internal invariant."""
     try:
         with safe_open(path, framework="pt") as handle:
             keys = set(handle.keys())
     except SafetensorError as exc:  # pragma: no cover - would be a bug in the writer
-        raise RuntimeError(f"{path.name}: the file just written does not read back ({exc})") from None
-    assert keys == {tensor.key for tensor in ordered}, f"{path.name}: written keys differ from the plan"
+        raise RuntimeError(f"{shown(shown_as)}: the file just written does not read back ({exc})") from None
+    assert keys == {tensor.key for tensor in ordered}, f"{shown(shown_as)}: written keys differ from the plan"
