@@ -162,6 +162,16 @@ def source_kind(source: Path) -> str:
 
 def open_checkpoint(source: Path) -> Checkpoint:
     """Read every header of SRC and check that the files agree with each other; no tensor data is read."""
+    checkpoint = _open_layout(source)
+    if checkpoint.recorded("slim_mha.value_bias_folded"):  # written by an earlier --fold-value-bias run
+        checkpoint.notes += (
+            "an earlier run folded the value bias into out_proj.bias (slim_mha.value_bias_folded): these "
+            "weights compute the original model's outputs in eval mode only",
+        )
+    return checkpoint
+
+
+def _open_layout(source: Path) -> Checkpoint:
     if not _present(source):
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)

@@ -235,6 +235,18 @@ def test_verify_fails_when_a_recorded_key_bias_would_be_dropped(tmp_path, zero_a
     assert not (tmp_path / "again.safetensors").exists()
 
 
+def test_a_folded_value_bias_is_noted_on_every_later_run(tmp_path):
+    save_file(prefixed(stock_attention(), "attn."), tmp_path / "stock.safetensors")
+    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "eval.safetensors", fold_value_bias=True)
+    back = to_stock_checkpoint(tmp_path / "eval.safetensors", tmp_path / "back.safetensors")
+    note = (
+        "an earlier run folded the value bias into out_proj.bias (slim_mha.value_bias_folded): these weights "
+        "compute the original model's outputs in eval mode only"
+    )
+    assert note in back.notes and note in inspect_checkpoint(tmp_path / "back.safetensors").notes
+    assert note not in inspect_checkpoint(tmp_path / "stock.safetensors").notes
+
+
 def _with_metadata(tmp_path, metadata: dict[str, str]):
     path = tmp_path / "marked.safetensors"
     save_file(prefixed(stock_attention(), "attn."), path, metadata=metadata)
