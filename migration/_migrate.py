@@ -133,7 +133,8 @@ def migrate(
 
     check()
     if not dry_run:
-        _write_output(checkpoint, destination, outputs, metadata, copied, force=force, check=check, progress=progress)
+        notes += _write_output(checkpoint, destination, outputs, metadata, copied, force=force, check=check,
+                               progress=progress)
     return _report(
         checkpoint, mode, destination, tuple(modules),
         output_tensors=output_tensors, output_bytes=output_bytes,
@@ -342,9 +343,9 @@ def _write_output(
     force: bool,
     check: Callable[[], None],
     progress: bool | None,
-) -> None:
+) -> tuple[str, ...]:
     """Write the output into a staging path and move it into place; on any failure, including an
-    interruption, the staging path is removed and DST is left as it was."""
+    interruption, the staging path is removed and DST is left as it was. Returns notes for the report."""
     shards = {shard.name: shard for shard in checkpoint.shards}
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
     total += sum(os.stat(companion.path).st_size for companion in companions)
@@ -370,6 +371,7 @@ def _write_output(
             _pause_for_tests("before-commit")
             staging.commit(replace=force or _is_empty_directory(destination), check=check)
             _pause_for_tests("after-commit")
+        return tuple(staging.notes)
     except OSError as exc:
         if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
             raise  # already names the user's path

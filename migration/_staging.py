@@ -209,6 +209,7 @@ class Staging:
         self.directory = directory
         self.path = destination.parent / f".{destination.name}.{STAGING_TAG}-{secrets.token_hex(4)}"
         self.committed = False
+        self.notes: list[str] = []  # for the report: what could not be cleaned up after the commit
         self._lock: int | None = None
 
     def __enter__(self) -> Staging:
@@ -279,11 +280,24 @@ class Staging:
                     self._record_commit()
             try:
                 with signals_deferred():
-                    shutil.rmtree(aside)
-            except OSError:
+                    _remove_old_tree(aside)
+            except OSError as exc:
                 _note(leftover=aside)
+                self.notes.append(
+                    f"left {shown(aside)}, the replaced {shown(self.destination)}: it could not be removed "
+                    f"({exc.strerror or exc}); look inside and remove it"
+                )
         finally:
             os.close(old)
+
+
+def _remove_old_tree(folder: Path) -> None:
+    """Delete the replaced DST: its regular files (all it held when it was checked), then the folder.
+    Anything else that appeared since makes the last step fail and leaves the folder for a person."""
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+    os.rmdir(folder)
 
 
 def _rename_no_replace(source: Path, target: Path) -> None:

@@ -190,6 +190,36 @@ def test_force_swaps_a_directory_atomically_and_leaves_no_litter(tmp_path, shard
     assert _litter(tmp_path) == []
 
 
+def test_what_appears_in_dst_after_the_check_is_not_deleted(tmp_path, sharded, monkeypatch):
+    """Between the last check and the swap, a folder appears in DST: the swap goes ahead, and the old
+    tree is emptied of its regular files only, then left (with the newcomer) and reported."""
+    reference = _reference(tmp_path, sharded)
+    out = tmp_path / "out"
+    fold_checkpoint(sharded, out)
+    real = staging_module._renameat2
+
+    def late_arrival(source, target, flags):
+        if flags == staging_module._RENAME_EXCHANGE:
+            (out / "late").mkdir()
+            (out / "late" / "work.txt").write_text("precious")
+        return real(source, target, flags)
+
+    monkeypatch.setattr(staging_module, "_renameat2", late_arrival)
+    report = fold_checkpoint(sharded, out, force=True)
+    assert _names(out) == reference
+    [aside] = _litter(tmp_path)
+    assert (tmp_path / aside / "late" / "work.txt").read_text() == "precious"
+    assert os.listdir(tmp_path / aside) == ["late"]
+    assert report.notes == (
+        f"left {tmp_path / aside}, the replaced {out}: it could not be removed (Directory not empty); look "
+        "inside and remove it",
+    )
+    monkeypatch.setattr(staging_module, "_renameat2", real)
+    report = fold_checkpoint(sharded, out, force=True)  # the next run does not delete it either
+    assert (tmp_path / aside / "late" / "work.txt").read_text() == "precious"
+    assert report.notes == (f"left {tmp_path / aside}: named like our staging, but it holds something we never write",)
+
+
 def test_fallback_without_exchange_replaces_and_rolls_back_on_failure(tmp_path, sharded, monkeypatch):
     reference = _reference(tmp_path, sharded)
     out = tmp_path / "out"
