@@ -286,43 +286,68 @@ def _run_child(series: Series, tokens: int, settings: Settings) -> dict:
     return {"status": status, "detail": detail, "wall_s": wall}
 
 
-def _extrapolated_time(points: list[tuple[int, float]], tokens: int) -> float | None:
-    """Time at ``tokens`` from the slope of the last two points in log-log, held between 1 and 2."""
+def _extrapolated(points: list[tuple[int, float]], tokens: int) -> float | None:
+    """The value at ``tokens`` from the slope of the last two points in log-log, held between 1 and 2."""
+    points = [(n, value) for n, value in points if value > 0]
     if not points:
         return None
-    (n_last, t_last) = points[-1]
+    n_last, last = points[-1]
     slope = 2.0
     if len(points) >= 2:
-        (n_prev, t_prev) = points[-2]
-        slope = math.log(t_last / t_prev) / math.log(n_last / n_prev) if t_prev > 0 and t_last > 0 else 2.0
-        slope = min(2.0, max(1.0, slope))
-    return t_last * (tokens / n_last) ** slope
+        n_previous, previous = points[-2]
+        slope = min(2.0, max(1.0, math.log(last / previous) / math.log(n_last / n_previous)))
+    return last * (tokens / n_last) ** slope
 
 
-def run_sweep(series_list: list[Series], tokens: list[int], settings: Settings, *, on_case=None, run_case=_run_child) -> dict:
-    """Every (N, series) case in order of N, stock and slim side by side; returns cases and why curves stopped."""
+def _over_time_budget(measured: list[dict], tokens: int, settings: Settings) -> str | None:
+    """Why the curve should stop before ``tokens`` for time, or ``None``.
+
+    A case extrapolated to need more memory than the cap is run all the same: it fails at its first
+    large allocation, at once, and that failure is the point the sweep is there to record.
+    """
+    if not measured:
+        return None
+    memory = _extrapolated([(r["tokens"], r["peak_bytes"] or 0) for r in measured], tokens)
+    if settings.memory_cap_bytes is not None and memory is not None and memory > settings.memory_cap_bytes:
+        return None
+    last = measured[-1]
+    if last["time_s"] > settings.case_budget_s:
+        return f"stopped after N={last['tokens']:,}: it took {last['time_s']:.0f} s > case budget {settings.case_budget_s:.0f} s"
+    predicted = _extrapolated([(r["tokens"], r["time_s"]) for r in measured], tokens)
+    if predicted is not None and predicted > settings.case_budget_s:
+        return f"stopped before N={tokens:,}: extrapolated {predicted:.0f} s > case budget {settings.case_budget_s:.0f} s"
+    return None
+
+
+def run_sweep(series_list: list[Series], tokens: list[int], settings: Settings, *, on_case=None, run_case=None) -> dict:
+    """Every (N, series) case in order of N, stock and slim side by side; returns cases and why curves stopped.
+
+    ``run_case(series, tokens, settings)`` returns a case's result (default: in a child process).
+    """
+    run_case = run_case or _run_child
     started = time.perf_counter()
     cases, stops = [], {}
-    measured: dict[Series, list[tuple[int, float]]] = {series: [] for series in series_list}
+    measured: dict[Series, list[dict]] = {series: [] for series in series_list}
     for n in sorted(tokens):
         for series in series_list:
             record = {"series": asdict(series), "name": series.name, "tokens": n, "batch": settings.batch}
-            elapsed = time.perf_counter() - started
-            predicted = _extrapolated_time(measured[series], n)
+            if series not in stops:
+                if time.perf_counter() - started > settings.budget_s:
+                    record.update(status="skipped", detail=f"not run: the sweep budget of {settings.budget_s:.0f} s was spent")
+                    cases.append(record)
+                    if on_case is not None:
+                        on_case(record)
+                    continue
+                reason = _over_time_budget(measured[series], n, settings)
+                if reason is not None:
+                    stops[series] = reason
             if series in stops:
-                record.update(status="skipped", detail=stops[series])
-            elif elapsed > settings.budget_s:
-                record.update(status="skipped", detail=f"not run: the sweep budget of {settings.budget_s:.0f} s was spent")
-            elif predicted is not None and predicted > settings.case_budget_s:
-                stops[series] = f"stopped before N={n:,}: extrapolated {predicted:.0f} s > case budget {settings.case_budget_s:.0f} s"
                 record.update(status="skipped", detail=stops[series])
             else:
                 record["load_average"] = _load_average()
                 record.update(run_case(series, n, settings))
                 if record["status"] == "ok":
-                    measured[series].append((n, record["time_s"]))
-                    if record["time_s"] > settings.case_budget_s:
-                        stops[series] = f"stopped after N={n:,}: it took {record['time_s']:.0f} s > case budget {settings.case_budget_s:.0f} s"
+                    measured[series].append(record)
                 else:
                     stops[series] = f"{record['status'].upper() if record['status'] == 'oom' else record['status']} at N={n:,}"
             cases.append(record)
@@ -361,7 +386,9 @@ def _cell(record: dict) -> str:
     if status == "oom":
         return "**OOM**"
     if status == "skipped":
-        return "not run (budget)" if "budget" in record["detail"] else "—"
+        if "sweep budget" in record["detail"]:
+            return "not run (sweep budget)"
+        return "not run (time)" if "case budget" in record["detail"] else "—"
     return f"**{status}**"
 
 
@@ -476,6 +503,9 @@ def plot_scale(payload: dict, path: Path) -> str:
             (time_axis, "time of one call (s)", time_points),
             (memory_axis, "peak memory above baseline (MiB)", memory_points),
         ):
+            if not any(y > 0 for _, y in points):  # e.g. tiny N, where nothing rose above the baseline
+                axis.text(0.5, 0.5, "nothing above the baseline", transform=axis.transAxes, ha="center")
+                continue
             axis.set_xscale("log")
             axis.set_yscale("log")
             axis.set_xlabel("tokens N")
