@@ -367,5 +367,5 @@ def test_scale_cli_errors_are_one_line_without_traceback(argv, message, capsys):
 def test_dry_run_lists_the_curves(capsys):
     assert bench.main(["--scale", "--dry-run", "--device", "cpu", "--memory-cap", "2GiB"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("16 curves x 6 token counts on cpu (memory cap 2,048 MiB):")
-    assert "  slim transformer train +mask: N = 1,024, 4,096, 16,384, 32,768, 65,536, 100,000" in out
+    assert out.startswith("16 curves x 4 token counts on cpu (memory cap 2,048 MiB):")
+    assert "  slim transformer train +mask: N = 1,024, 8,192, 32,768, 100,000" in out

@@ -48,12 +48,12 @@ MODES = ("inference", "train")
 CONTENDERS = ("stock", "slim")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = {
-    "cpu": (1024, 4096, 16384, 32768, 65536, 100_000),
+    "cpu": (1024, 8192, 32768, 100_000),
     "cuda": (1024, 4096, 16384, 65536, 131072, 262144, 524288, 1_000_000),
 }
 # Per device: (sweep budget, case budget) in seconds. The CPU default keeps the sweep to about five
 # minutes on a 2-core machine; the curves it cuts short say where and why.
-BUDGETS = {"cpu": (300.0, 20.0), "cuda": (600.0, 60.0)}
+BUDGETS = {"cpu": (300.0, 30.0), "cuda": (600.0, 60.0)}
 PADDED_FRACTION = 8  # with a padding mask, the last N // 8 keys of every sequence are padding
 _RESULT_MARKER = "SLIM_MHA_SCALE_RESULT "
 _OOM_MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="sequences per call (default: 1)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--budget-s", type=float, help="start no case after this many seconds (default: 300 CPU, 600 CUDA)")
-    parser.add_argument("--case-budget-s", type=float, help="stop a curve once a call takes, or is extrapolated to take, longer (default: 20 CPU, 60 CUDA)")
+    parser.add_argument("--case-budget-s", type=float, help="stop a curve once a call takes, or is extrapolated to take, longer (default: 30 CPU, 60 CUDA)")
     parser.add_argument("--case-timeout-s", type=float, help="kill a case's process after this long (default: 4x the case budget + 60)")
     parser.add_argument("--memory-cap", type=_bytes, metavar="SIZE", help="address space each CPU case may add, e.g. 4GiB (default: half the available memory)")
     parser.add_argument("--no-memory-cap", action="store_true", help="do not cap the cases' memory (not on a shared machine)")
