@@ -395,6 +395,7 @@ def test_killed_mid_write(tmp_path, sharded, kill, existing):
     assert _names(out) == reference and _litter(tmp_path) == []
 
 
+@pytest.mark.slow  # a subprocess; the same state as a kill mid-write, one step later
 def test_killed_just_before_the_swap_keeps_the_old_output(tmp_path, sharded):
     reference = _reference(tmp_path, sharded)
     out = tmp_path / "out"
@@ -411,7 +412,11 @@ def test_killed_just_before_the_swap_keeps_the_old_output(tmp_path, sharded):
     assert _names(out) == reference and _litter(tmp_path) == []
 
 
-@pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.parametrize(
+    "interrupt",
+    # Ctrl-C there is also checked in-process (test_migration_cli.py); a real one is the slow variant.
+    [pytest.param(signal.SIGINT, id="sigint", marks=pytest.mark.slow), pytest.param(signal.SIGTERM, id="sigterm")],
+)
 def test_interrupted_just_after_the_swap_says_the_output_was_written(tmp_path, sharded, interrupt):
     reference = _reference(tmp_path, sharded)
     out = tmp_path / "out"
