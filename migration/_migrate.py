@@ -381,7 +381,11 @@ def _write_output(
             state = f"{shown(destination)} was left as it was"
         else:
             state = "nothing was written"
-        error = OSError(f"{shown(destination)}: cannot write the output ({exc.strerror or exc}); {state}")
+        reason = exc.strerror or str(exc)
+        culprit = os.fspath(exc.filename) if exc.filename is not None else None
+        if culprit and not culprit.startswith(os.fspath(staging.path)):  # an input, named as the user named it
+            reason = f"{shown(culprit)}: {reason}"
+        error = OSError(f"{shown(destination)}: cannot write the output ({reason}); {state}")
         error.errno = exc.errno
         raise error from None
     finally:

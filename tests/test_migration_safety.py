@@ -302,6 +302,26 @@ def test_litter_that_cannot_be_removed_is_said_and_does_not_stop_the_run(tmp_pat
     assert stale.exists() and (tmp_path / "out" / "config.json").exists()
 
 
+def test_an_input_that_fails_while_writing_is_named(tmp_path, sharded, monkeypatch):
+    import slim_mha.migration._writer as writer_module
+
+    real_open = os.open
+
+    def unreadable(path, flags, *args, **kwargs):
+        if Path(path).name == "config.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module.os, "open", unreadable)
+    with pytest.raises(OSError) as caught:
+        fold_checkpoint(sharded, tmp_path / "out")
+    assert str(caught.value) == (
+        f"{tmp_path / 'out'}: cannot write the output ({sharded / 'config.json'}: Permission denied); "
+        "nothing was written"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_dry_run_leaves_litter_alone(tmp_path, sharded):
     stale = tmp_path / ".out.slim-mha-staging-00000001"
     stale.write_bytes(b"partial")
