@@ -2,6 +2,13 @@
 
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations.
+
+Without a graph (inference) every step is one batched call over all heads, so the number of ops
+per call does not grow with the number of heads, and the mask and the softmax work in place on the
+``(B, H, L, S)`` scores, the one large tensor. Few large ops matter beyond CUDA launches: on a CPU
+shared with other processes each multi-threaded op waits at a barrier for its slowest thread, and a
+head-by-head loop was measured at 0.3-0.6x stock under load (benchmarks/RESULTS.md). On CPU only,
+scores above :data:`_CPU_BLOCK_SCORES_BYTES` are computed a few blocks of query rows at a time.
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ from ._memory_guard import check_weights_fit
 __all__ = ["attention_with_weights"]
 
 
-# Averaged weights over scores of at least this size are computed one head at a time, into one
-# reused (B, L, S) buffer: peak memory stays below stock's, and a fresh large tensor costs more to
-# allocate, first-touch and stream through the caches than the loop's extra calls (measured on the
-# 2-core dev machine, where glibc maps allocations of 32 MiB and more afresh on every call). Below
-# it, the per-head calls' Python overhead would dominate.
-_LARGE_SCORES_BYTES = 1 << 20
+# On CPU, averaged weights over more scores than this are computed in blocks of query rows holding
+# at most this many bytes of scores. glibc's malloc serves allocations of 32 MiB and more with a
+# fresh mmap on every call, which the kernel then faults in page by page (measured: 22.6 ms to
+# allocate and fill 32 MiB against 1.8 ms to refill a recycled block), while smaller blocks are
+# recycled from call to call. Blocks also keep the peak below stock's, which holds all of
+# (B, H, L, S). Half the mmap threshold keeps the blocks few: two at B=4 L=512 H=8 in fp32.
+_CPU_BLOCK_SCORES_BYTES = 16 << 20
 
 
 def attention_with_weights(
@@ -30,51 +38,112 @@ def attention_with_weights(
 ) -> tuple[Tensor, Tensor]:
     """softmax(q kᵀ / sqrt(D) + mask) v and the weights, in stock's order of operations.
 
-    Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged over heads or
-    ``(B, H, L, S)``. The ``(B, H, L, S)`` scores are the one large tensor here and allocating it
-    dominates on CPU, so the mask and (with no graph recorded) the softmax work in place, and
-    averaged weights without a graph are computed one head at a time into one ``(B, L, S)`` buffer.
+    ``q`` is ``(B, H, L, D)``, ``k`` and ``v`` ``(B, H, S, D)``, ``mask`` additive and broadcastable
+    to ``(B, H, L, S)``. Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged
+    over heads or ``(B, H, L, S)``.
     """
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
     check_weights_fit(q, k.shape[2], average=average, records_graph=records_graph)  # before any (B, H, L, S)
-    B, H, L, _ = q.shape
-    large = B * H * L * k.shape[2] * q.element_size() >= _LARGE_SCORES_BYTES
-    if average and large and not records_graph and dropout_p == 0.0:
-        return _attention_averaged_head_by_head(q, k, v, mask)
-    scale = math.sqrt(1.0 / float(q.shape[-1]))
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, L, S)
+    if records_graph or dropout_p > 0.0 or _functorch_transforms_active() or torch.compiler.is_compiling():
+        return _attention_functional(q, k, v, mask, dropout_p, average)
+    rows = _query_rows_per_block(q, k.shape[2]) if average else q.shape[2]
+    if rows < q.shape[2]:
+        return _attention_averaged_in_blocks(q, k, v, mask, rows)
+    B, H, L, D = q.shape
+    scores = _scores(q, _matrices(k)).view(B, H, L, k.shape[2])
     if mask is not None:
-        scores.add_(mask)  # safe under autograd: matmul's backward does not read its output
-    weights = torch.softmax(scores, dim=-1) if records_graph else torch.softmax(scores, dim=-1, out=scores)
+        scores.add_(mask)
+    torch.softmax(scores, dim=-1, out=scores)
+    out = torch.bmm(scores.view(B * H, L, -1), _matrices(v)).view(B, H, L, D)
+    return out, _mean_over_heads(scores) if average else scores
+
+
+def _attention_functional(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool
+) -> tuple[Tensor, Tensor]:
+    """For autograd, dropout, ``torch.func`` transforms and compilers: no ``out=``, in place only where safe."""
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    # bmm on (B·H)-batches, reshaped here once (matmul on 4-D views would fold them with more ops)
+    scaled = (q * math.sqrt(1.0 / float(D))).reshape(B * H, L, D)
+    scores = torch.bmm(scaled, k.reshape(B * H, S, D).transpose(1, 2)).view(B, H, L, S)
+    if mask is not None:
+        # In place saves a (B, H, L, S) tensor and is safe under autograd (matmul's backward does not
+        # read its output), but not under vmap, where the mask may be batched and the scores not.
+        scores = scores + mask if _functorch_transforms_active() else scores.add_(mask)
+    weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights, v)  # (B, H, L, D)
+    out = torch.bmm(weights.reshape(B * H, L, S), v.reshape(B * H, S, D)).view(B, H, L, D)
     return out, weights.mean(dim=1) if average else weights
 
 
-def _attention_averaged_head_by_head(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+def _attention_averaged_in_blocks(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int
 ) -> tuple[Tensor, Tensor]:
-    """The no-graph, no-dropout case of :func:`attention_with_weights` with averaged weights."""
+    """Averaged weights without a graph, ``rows`` query rows (all batches, all heads) at a time."""
     B, H, L, D = q.shape
-    scale = math.sqrt(1.0 / float(D))
-    out = q.new_empty(B, L, H, D)  # the layout _merge_heads flattens for free
-    total = q.new_zeros(B, L, k.shape[2])
-    scores = torch.empty_like(total)  # (B, L, S), reused by every head
-    for head in range(H):
-        torch.matmul(q[:, head] * scale, k[:, head].transpose(-2, -1), out=scores)
+    S = k.shape[2]
+    k, v = _matrices(k), _matrices(v)  # copied once, not once per block
+    out = q.new_empty(B, L, H, D).transpose(1, 2)  # (B, H, L, D) in the layout _merge_heads flattens for free
+    weights = q.new_empty(B, L, S)
+    for start in range(0, L, rows):
+        block = slice(start, min(start + rows, L))
+        scores = _scores(q[:, :, block], k).view(B, H, -1, S)  # (B, H, rows, S)
         if mask is not None:
-            scores.add_(_mask_of_head(mask, head))
+            scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])
         torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, head] = torch.matmul(scores, v[:, head])
-        total.add_(scores)
-    return out.transpose(1, 2), total.div_(H)  # (B, H, L, D), (B, L, S)
+        out[:, :, block] = torch.bmm(scores.view(B * H, -1, S), v).view(B, H, -1, D)
+        weights[:, block] = _mean_over_heads(scores)
+        del scores  # freed before the next block's scores are allocated, which then reuse its memory
+    return out, weights
 
 
-def _mask_of_head(mask: Tensor, head: int) -> Tensor:
-    """The slice of a mask broadcastable to ``(B, H, L, S)`` that applies to one head."""
-    if mask.dim() < 4:
-        return mask
-    return mask[:, head if mask.shape[1] > 1 else 0]
+def _matrices(x: Tensor) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B·H, N, D)``, the batch of matrices ``bmm`` takes; copies only if needed.
+
+    The heads are views into the projection, in ``(B, N, H, D)`` memory order, where ``B`` and ``H``
+    do not fold into one batch dimension.
+    """
+    B, H, N, D = x.shape
+    if x.is_contiguous():
+        return x.view(B * H, N, D)
+    matrices = x.new_empty(B * H, N, D)
+    matrices.view(B, H, N, D).copy_(x)
+    return matrices
+
+
+def _scores(q: Tensor, k_matrices: Tensor) -> Tensor:
+    """``(q / sqrt(D)) kᵀ`` as ``(B·H, L, S)``: q scaled first, as stock does, in the copy bmm needs anyway."""
+    B, H, L, D = q.shape
+    scaled = q.new_empty(B * H, L, D)
+    torch.mul(q, math.sqrt(1.0 / float(D)), out=scaled.view(B, H, L, D))
+    return torch.bmm(scaled, k_matrices.transpose(1, 2))
+
+
+def _mean_over_heads(weights: Tensor) -> Tensor:
+    """``(B, H, L, S)`` -> ``(B, L, S)``, as one batched matrix-vector product with ``1/H``.
+
+    ``mean(dim=1)`` makes three passes over the weights (zero the result, sum into it, divide it);
+    this makes one. With H a power of two, ``1/H`` and every product by it are exact, so the two
+    agree up to the order of summation; otherwise up to one rounding of ``1/H``.
+    """
+    B, H, L, S = weights.shape
+    average = weights.new_full((1, 1, H), 1.0 / H).expand(B, 1, H)
+    return torch.bmm(average, weights.reshape(B, H, L * S)).view(B, L, S)
+
+
+def _query_rows_per_block(q: Tensor, src_len: int) -> int:
+    """How many query rows one block of CPU scores holds: every row when they fit in one block."""
+    B, H, L, _ = q.shape
+    row_bytes = B * H * src_len * q.element_size()
+    if q.device.type != "cpu" or row_bytes * L <= _CPU_BLOCK_SCORES_BYTES:
+        return L
+    blocks = -(-row_bytes * L // _CPU_BLOCK_SCORES_BYTES)  # as few as the limit allows, as equal as possible
+    return -(-L // blocks)
+
+
+def _functorch_transforms_active() -> bool:
+    return torch._C._are_functorch_transforms_active()

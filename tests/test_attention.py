@@ -682,7 +682,7 @@ def test_averaged_weights_in_blocks_of_query_rows_match_stock(monkeypatch, kpm, 
     """Large averaged-weights calls on CPU go a block of query rows at a time; force it on small inputs."""
     import slim_mha._explicit_attention
 
-    monkeypatch.setattr(slim_mha._explicit_attention, "_CPU_CHUNK_SCORES_BYTES", 1)  # one query row per block
+    monkeypatch.setattr(slim_mha._explicit_attention, "_CPU_BLOCK_SCORES_BYTES", 1)  # one query row per block
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(
