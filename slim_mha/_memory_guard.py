@@ -8,21 +8,21 @@ out-of-memory killer end this process or a neighbour while the pages are written
 user learns nothing about the fix, which is ``need_weights=False``: scaled_dot_product_attention
 never materialises the weights and its memory grows linearly with the number of tokens.
 
-**When to refuse.** :func:`check_weights_fit` compares the least memory slim's weights path must hold
-at once with the memory this process can get. That least memory is never more than stock's
-``nn.MultiheadAttention`` needs for the same call, so a call is refused only when stock would fail
-too (it would still try, and fail later, with the allocator's message):
+**When to refuse.** :func:`check_weights_fit` compares the least memory any implementation must hold
+at once for the call with the memory this process can get: the weights asked for, and with a graph
+recorded also the scores that softmax reads while it writes them (both are needed for backward).
+Stock ``nn.MultiheadAttention`` holds at least that much (its ``(B, H, L, S)`` scores, then their
+softmax), so a call is refused only when stock would fail too; stock still tries, and fails in the
+allocator or, under overcommit, in the OOM killer:
 
-=======================================  ==========================  ===============================
-call                                     slim holds at least         stock holds at least
-=======================================  ==========================  ===============================
-a graph is recorded (training)           scores and probabilities,   the same (``baddbmm`` output
-                                         2 x (B, H, L, S)            and ``softmax`` output)
-no graph, ``average_attn_weights=True``  the result and one head's   (B, H, L, S) scores (native
-                                         scores, 2 x (B, L, S)       fast path; 2x on its Python
-                                                                     path); 2 x (B, L, S) when H=1
-no graph, per-head weights               the weights, (B, H, L, S)   the same, or twice that
-=======================================  ==========================  ===============================
+=======================================  =================================  ========================
+call                                     at least (slim's lower bound)      stock holds at least
+=======================================  =================================  ========================
+a graph is recorded (training)           scores and probabilities,          the same
+                                         2 x (B, H, L, S)
+no graph, ``average_attn_weights=True``  the averaged weights, (B, L, S)    (B, H, L, S) scores
+no graph, per-head weights               the weights, (B, H, L, S)          the same
+=======================================  =================================  ========================
 
 **What the process can get** (:func:`available_bytes`): on CPU, the smallest of the address space
 left under ``RLIMIT_AS``, the headroom under the cgroup's memory limit (v2 ``memory.max`` or v1
@@ -67,7 +67,7 @@ def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: 
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
     if 2 * head_maps < _CHECK_ABOVE_BYTES:  # 2 x (B, H, L, S) bounds every case below
         return
-    needed = 2 * head_maps if records_graph else (2 * head_maps // q.size(1) if average else head_maps)
+    needed = 2 * head_maps if records_graph else (head_maps // q.size(1) if average else head_maps)
     _refuse_if_too_large(q, src_len, needed, average=average, records_graph=records_graph)
 
 
@@ -86,7 +86,7 @@ def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, *, average: bool,
     if records_graph:
         what = f"scores and probabilities of shape (B, H, L, S) = {(B, H, L, src_len)}, kept for backward"
     elif average:
-        what = f"the averaged weights and one head's scores, each (B, L, S) = {(B, L, src_len)}"
+        what = f"the averaged weights, (B, L, S) = {(B, L, src_len)}"
     else:
         what = f"the weights, (B, H, L, S) = {(B, H, L, src_len)}"
     raise torch.OutOfMemoryError(

@@ -152,13 +152,13 @@ _UNDER_ADDRESS_SPACE_CAP = textwrap.dedent(
 
     with open("/proc/self/statm") as statm:
         mapped = int(statm.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 29), resource.RLIM_INFINITY))  # 1.5 GiB more
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), resource.RLIM_INFINITY))  # 2 GiB more
     torch.manual_seed(0)
     stock = nn.MultiheadAttention(8, 2, batch_first=True)
     slim = SlimMultiheadAttention(8, 2, batch_first=True)
     slim.load_state_dict(stock.state_dict())
     report = {}
-    for tokens in (6000, 20000):
+    for tokens in (8700, 24000):
         x = torch.randn(1, tokens, 8)
         for name, module in (("stock", stock), ("slim", slim)):
             try:
@@ -174,20 +174,21 @@ _UNDER_ADDRESS_SPACE_CAP = textwrap.dedent(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
 def test_refuses_under_rlimit_as_only_where_stock_fails_too():
-    """Under a 1.5 GiB address-space cap: 6k tokens fit (both serve them, slim's limits are read since its
-    288 MB of buffers exceed the threshold), 20k do not (slim needs 3.2 GB, stock 6.4 GB): stock
-    fails in the allocator, slim with our message naming RLIMIT_AS."""
+    """Under a 2 GiB address-space cap: 8.7k tokens fit (both serve them; slim's 303 MB of averaged
+    weights are above the threshold, so the limits are read), 24k do not (slim needs 2.3 GB, stock
+    4x that): stock fails in the allocator, slim with our message naming RLIMIT_AS."""
     completed = subprocess.run(
         [sys.executable, "-c", _UNDER_ADDRESS_SPACE_CAP], capture_output=True, text=True, timeout=300
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads(completed.stdout.splitlines()[-1])
-    assert report["stock 6000"][0] == report["slim 6000"][0] == "ok"
-    torch.testing.assert_close(torch.tensor(report["slim 6000"][1]), torch.tensor(report["stock 6000"][1]))
-    assert report["stock 20000"][0] == "RuntimeError" and "can't allocate memory" in report["stock 20000"][1]
-    kind, message = report["slim 20000"]
+    assert report["stock 8700"][0] == report["slim 8700"][0] == "ok"
+    torch.testing.assert_close(torch.tensor(report["slim 8700"][1]), torch.tensor(report["stock 8700"][1]))
+    assert report["stock 24000"][0] == "RuntimeError" and "can't allocate memory" in report["stock 24000"][1]
+    kind, message = report["slim 24000"]
     assert kind == "OutOfMemoryError"
-    assert "need at least 3.0 GiB" in message and "the address space left under RLIMIT_AS" in message
+    assert "need at least 2.1 GiB (the averaged weights, (B, L, S) = (1, 24000, 24000), float32)" in message
+    assert "the address space left under RLIMIT_AS" in message
 
 
 def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
