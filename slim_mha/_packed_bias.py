@@ -117,10 +117,12 @@ def fused_bias(module) -> Tensor | None:
     if state is not None and not is_transforming():
         if _packed_was_repointed(state, parts):
             _adopt_packed(module, state, parts)  # in_proj_bias.data = ...: the parameters follow
+        if state.packed.requires_grad != state.requires_grad:  # in_proj_bias.requires_grad_(...)
+            _sync_flags(module, state, parts)
         records_graph = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in parts)
         if not records_graph and _is_aliased(state, parts, module.embed_dim):
             return state.packed
-    elif state is not None and _differs_in_dtype_or_device(state.packed, parts):
+    elif state is not None and _same_objects(parts, state.parts) and _differs_in_dtype_or_device(state.packed, parts):
         raise RuntimeError(
             "in_proj_bias was given data of another dtype or device than q_proj_bias/v_proj_bias and "
             "has not been folded into them yet: run one eager forward (or read module.in_proj_bias) "

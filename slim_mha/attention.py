@@ -12,7 +12,7 @@ from torch.nn.parameter import Parameter
 from . import _packed_bias
 from ._explicit_attention import attention_with_weights
 from ._stock_checks import additive_mask, is_batched_mha_input
-from .bias import SlimBiases, fold_key_bias, keeps_key_bias, stock_key_slice
+from .bias import SlimBiases, fold_key_bias, keeps_key_bias
 from .equivariance import _mode as _equivariance
 from . import _unread_weights
 
@@ -215,7 +215,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Without input biases of our own, leave it for torch to report as unexpected.
         stock_key = prefix + _STOCK_BIAS
         mismatched = False
-        middle = _KEEP_MIDDLE
+        zero_middle, own_bias_k = False, None
         if stock_key in state_dict and self.q_proj_bias is not None:
             packed = state_dict.pop(stock_key)
             mismatched = tuple(packed.shape) != (3 * self.embed_dim,)
@@ -225,32 +225,38 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                     f"checkpoint, the shape in current model is torch.Size([{3 * self.embed_dim}])."
                 )
             else:
-                biases, middle = self._split_stock_bias(packed, state_dict.get(prefix + "bias_k"))
+                biases, own_bias_k = self._split_stock_bias(packed, state_dict.get(prefix + "bias_k"))
                 for name, tensor in biases._asdict().items():
                     if tensor is not None:
                         state_dict[prefix + name] = tensor
+                zero_middle = True
         elif prefix + "bias_k" in state_dict and self.bias_k is not None:
-            middle = None  # our own layout: the stored bias_k is relative to a zero key slot
+            zero_middle = True  # our own layout: the stored bias_k is relative to a zero key slot
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         _packed_bias.sync(self)
-        if middle is not _KEEP_MIDDLE:
-            _packed_bias.set_middle(self, middle)
+        if zero_middle:
+            _packed_bias.set_middle(self, None)
+        if own_bias_k is not None:
+            with torch.no_grad():
+                self.bias_k.copy_(own_bias_k)
         if mismatched:  # the size mismatch already names the culprit; our split keys are not missing
             split = {prefix + name for name in _SPLIT_BIASES}
             missing_keys[:] = [key for key in missing_keys if key not in split]
 
     def _split_stock_bias(self, packed: Tensor, bias_k: Tensor | None) -> tuple[SlimBiases, Tensor | None]:
-        """Stock ``(in_proj_bias, bias_k)`` to our parameters and key slot, with stock's function.
+        """Stock ``(in_proj_bias, bias_k)`` to our layout with stock's function: ``b_k`` folded.
 
-        With the checkpoint's ``bias_k`` the key bias is folded into it (our stored layout). A
-        partial load without it keeps this module's ``bias_k``, as stock does; stock's function
-        then adds the loaded ``b_k`` to every key but not to that token, so the key slot keeps it.
+        Returns the biases to load and, for a partial load without ``bias_k`` into an
+        ``add_bias_kv`` module, the new value of this module's ``bias_k``: stock keeps its own
+        ``bias_k`` then, whose stock view here is ``self.bias_k``, so the loaded ``b_k`` is folded
+        into that. Everything stays in the parameters (the key slot is zeroed).
         """
         with torch.no_grad():
             if bias_k is None and self.bias_k is not None and not self.add_zero_attn:
-                return fold_key_bias(packed, None), stock_key_slice(packed)
+                folded = fold_key_bias(packed, self.bias_k.detach())
+                return folded._replace(bias_k=None), folded.bias_k
             return fold_key_bias(packed, bias_k, add_zero_attn=self.add_zero_attn), None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -487,9 +493,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if self.add_zero_attn:
             extras.append("add_zero_attn=True")
         return ", ".join(extras)
-
-
-_KEEP_MIDDLE = object()  # _load_from_state_dict: the load says nothing about the key slot
 
 
 def _refuse_stock_checkpoint_dropped_by_loader(module: SlimMultiheadAttention) -> None:

@@ -37,7 +37,6 @@ __all__ = [
     "unfold_key_bias",
     "fold_value_bias",
     "keeps_key_bias",
-    "stock_key_slice",
 ]
 
 
@@ -109,12 +108,6 @@ def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | Non
     zeros = present.new_zeros(embed_dim)
     packed = torch.cat([t if t is not None else zeros for t in (q, k, v)])
     return packed, biases.bias_k
-
-
-def stock_key_slice(in_proj_bias: Tensor) -> Tensor:
-    """The key bias ``b_k``: the middle third of stock's packed ``[b_q; b_k; b_v]``."""
-    embed_dim = in_proj_bias.shape[0] // 3
-    return in_proj_bias[embed_dim : 2 * embed_dim]
 
 
 def fold_value_bias(

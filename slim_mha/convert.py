@@ -26,10 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn.parameter import Parameter
+from torch.nn.utils import parametrize
 
 from . import _unread_weights
 from .attention import SlimMultiheadAttention
-from .bias import SlimBiases, unfold_key_bias
 from .bias import fold_value_bias as _fold_value_bias_tensors
 from .patching import PatchedMultiheadAttention
 
@@ -64,6 +64,7 @@ def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Modul
         ``module``, or the new slim module when ``module`` itself is a stock attention module.
     """
     skip = _unread_weights.resolve_option(skip_unread_weights)
+    _refuse_parametrized(module, _STOCK, "nn.MultiheadAttention", "convert")
     return _swap_modules(module, _is_stock, functools.partial(_build_slim, skip_unread_weights=skip))
 
 
@@ -77,6 +78,7 @@ def to_stock(module: nn.Module) -> nn.Module:
     Returns:
         ``module``, or the new stock module when ``module`` itself is a slim attention module.
     """
+    _refuse_parametrized(module, SlimMultiheadAttention, "slim attention module", "to_stock")
     return _swap_modules(module, _is_slim, _build_stock)
 
 
@@ -193,15 +195,13 @@ def _build_stock(slim: SlimMultiheadAttention) -> nn.MultiheadAttention:
     state = slim.state_dict(keep_vars=True)
     for name in _SPLIT_BIASES:
         state.pop(name, None)
-    with torch.no_grad():
-        packed, bias_k = unfold_key_bias(
-            SlimBiases(slim.q_proj_bias, slim.v_proj_bias, slim.k_proj_bias, slim.bias_k),
-            embed_dim=slim.embed_dim,
-        )
+    # The stock view: in_proj_bias (its key slot included) with bias_k as it is has slim's function.
+    # (state_dict folds a written key slot into bias_k; here the slot stays, so bias_k is taken raw.)
+    packed = slim.in_proj_bias
     if packed is not None:
-        state["in_proj_bias"] = packed
-    if bias_k is not None:
-        state["bias_k"] = bias_k
+        state["in_proj_bias"] = packed.detach().clone()
+    if slim.bias_k is not None:
+        state["bias_k"] = slim.bias_k
     flags = {name: parameter.requires_grad for name, parameter in slim.named_parameters()}
     # One packed parameter from up to three: trainable if any part was (a folded v bias has no flag).
     packed_flag = any(flags[name] for name in _SPLIT_BIASES if name in flags)
@@ -254,6 +254,22 @@ def _fold_one(attention: SlimMultiheadAttention) -> None:
         if bias_v is not None:
             attention.bias_v.copy_(bias_v)
     attention.v_proj_bias = None
+
+
+def _refuse_parametrized(root: nn.Module, cls: type, what: str, caller: str) -> None:
+    """A parametrized module has a generated subclass type: refuse it, rather than skip it silently.
+
+    Its parametrizations act on tensors (``in_proj_bias`` among them) that do not exist in the
+    other layout, so they cannot be carried over. Checked before anything is swapped.
+    """
+    for name, child in root.named_modules():
+        if isinstance(child, cls) and parametrize.is_parametrized(child):
+            tensors = ", ".join(child.parametrizations.keys())
+            raise ValueError(
+                f"{caller}: module {_describe(name)} is a parametrized {what} (parametrizations on {tensors}), "
+                "which cannot be carried over to the other bias layout; remove them first with "
+                "torch.nn.utils.parametrize.remove_parametrizations, or convert before registering them"
+            )
 
 
 def _describe(name: str) -> str:

@@ -440,6 +440,8 @@ def test_state_dict_layout_and_round_trips(name):
     rebuilt_state = {k: v for k, v in slim.state_dict().items() if k not in ("q_proj_bias", "v_proj_bias", "k_proj_bias")}
     if slim.in_proj_bias is not None:
         rebuilt_state["in_proj_bias"] = slim.in_proj_bias.detach()
+    if slim.bias_k is not None:  # the attribute, not the saved value: that one has the key slot folded in
+        rebuilt_state["bias_k"] = slim.bias_k.detach()
     rebuilt.load_state_dict(rebuilt_state, strict=True)
     query = torch.randn(L_TGT, BATCH, E)
     key = torch.randn(S_SRC, BATCH, kwargs.get("kdim", E))
@@ -451,10 +453,12 @@ def test_loading_stock_folds_key_bias_into_bias_k():
     stock, slim = stock_and_slim(add_bias_kv=True)
     with torch.no_grad():
         stock.in_proj_bias.normal_()
+        slim.in_proj_bias.normal_()  # a written key slot is zeroed by the load: bias_k is relative to 0
     slim.load_state_dict(stock.state_dict())
     b_k = stock.in_proj_bias[E : 2 * E].detach()
     torch.testing.assert_close(slim.bias_k.detach(), stock.bias_k.detach() - b_k.view(1, 1, E), rtol=0, atol=0)
     assert torch.equal(slim.q_proj_bias.detach(), stock.in_proj_bias[:E].detach())
+    assert torch.equal(slim.in_proj_bias[E : 2 * E].detach(), torch.zeros(E))
 
 
 def test_loading_does_not_modify_the_callers_state_dict():
