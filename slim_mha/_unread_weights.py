@@ -22,7 +22,7 @@ What counts as proof (anything else, and any doubt, means "compute the weights a
     first target, then ``STORE_FAST`` of a plain local that no instruction anywhere in the code
     object loads (loops, earlier lines and ``del`` included), that no closure captures (it would be
     a cell, stored with ``STORE_DEREF``), in a function that names none of ``locals``, ``vars``,
-    ``eval``, ``exec``, ``breakpoint``, ``_getframe``, ``currentframe``, ``stack`` or ``f_locals``.
+    ``eval``, ``exec``, ``breakpoint``, ``_getframe``, ``currentframe`` or ``f_locals``.
 * Nothing else observes the result: no forward or backward hooks on the module, no global ones
   (other than the audit's own).
 * Nothing is being traced or transformed: not ``torch.compile``/dynamo, ``torch.export``, jit
@@ -69,9 +69,10 @@ __all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread
 # untested version never skips.
 _TESTED_VERSIONS = frozenset({(3, 11)})
 
-# Names through which a function can read its own locals without a LOAD_FAST.
+# Names through which a function can read its own locals without a LOAD_FAST. (A function it calls
+# could still walk up to its frame, as a debugger does: that reader would get None, loudly.)
 _INTROSPECTION_NAMES = frozenset(
-    {"locals", "vars", "eval", "exec", "breakpoint", "_getframe", "currentframe", "stack", "f_locals"}
+    {"locals", "vars", "eval", "exec", "breakpoint", "_getframe", "currentframe", "f_locals"}
 )
 # First target of ``out, _ = ...``: one instruction that consumes the first element.
 _SINGLE_STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_GLOBAL", "STORE_NAME", "POP_TOP"})
@@ -160,9 +161,7 @@ def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
     if sys.version_info[:2] not in _TESTED_VERSIONS or _outputs_observed(module):
         return None
     wrapped_code, inner_codes = _torch_call_frames()
-    below = frame.f_back
-    if below is None or below.f_code not in inner_codes:  # forward called directly, or by a subclass
-        return None
+    below = frame.f_back  # not torch's frames when forward was called directly, or by a subclass
     while below is not None and below.f_code in inner_codes:
         below = below.f_back
     if below is None or below.f_code is not wrapped_code:

@@ -32,6 +32,7 @@ examples:
   python -m slim_mha.bench --shape 4x512x512x8 --seq-len 128,256,512 --mode train --repeats 9
   python -m slim_mha.bench --device cuda --dtype bf16 --json out/cuda.json --plot out/cuda.png
   python -m slim_mha.bench --full --dry-run        # list the cases without running them
+  python -m slim_mha.bench --detr                  # DETR decoder layer, skip_unread_weights off vs on
 """
 
 # Per device, (repeats, min_repeats, min_sample_s, max_case_s) for the quick and the full run.
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
     )
     parser.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--detr",
+        action="store_true",
+        help="instead of the matrix, time DETR's decoder layer (L=100, S=950, E=256, H=8, B=2) with stock, "
+        "slim and slim with skip_unread_weights=True, in inference and training (slim_mha/bench/detr.py)",
+    )
     parser.add_argument(
         "--scale", action="store_true", help="run the scale sweep over N instead (options: --scale --help)"
     )
@@ -207,6 +214,27 @@ def _busy_machine_note(results: list[dict]) -> str | None:
     )
 
 
+def _run_detr(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device, argv: list[str]
+) -> int:
+    from . import detr
+
+    for option in ("full", "shape", "seq_len", "mode", "attention", "need_weights", "dtype", "dry_run"):
+        if getattr(args, option):
+            parser.error(f"--detr runs one fixed case: drop --{option.replace('_', '-')}")
+    payload = detr.run_detr(_settings(args, device), device)
+    payload["command"] = " ".join(["slim-mha-bench", *argv])
+    json_path = args.json or Path("bench-out") / f"detr_{device.type}.json"
+    write_json(json_path, payload)
+    table = detr.format_detr(payload)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    print(table)
+    print(f"results written to {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--scale" in argv:  # the scale sweep has its own options: slim_mha/bench/scale.py
@@ -219,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     _validate(parser, args, device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.detr:
+        return _run_detr(parser, args, device, argv)
     cases, notes = _plan(parser, args, device)
     if args.dry_run:
         matrix = device.type if args.matrix == "auto" else args.matrix

@@ -1,0 +1,813 @@
+"""skip_unread_weights and the audit: weights skipped only where the caller provably drops them.
+
+Every call shape below runs a slim module built from a random stock module's weights. Shapes the
+analysis recognises must return stock's output (to the dtype's tolerance) and ``None`` weights,
+with no softmax outside ``scaled_dot_product_attention``; every other shape must return stock's
+output *and* stock's weights. The call sites are written out as small functions at module level
+because the analysis reads exactly their bytecode.
+"""
+
+from __future__ import annotations
+
+import copy
+import dis
+import functools
+import inspect
+import io
+import pickle
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
+from torch import nn
+
+import slim_mha
+from slim_mha import SlimMultiheadAttention, convert, patch, patched, unpatch, unread_weights_report
+from slim_mha import _unread_weights
+from slim_mha import attention as attention_module
+from slim_mha.bench.detr import DetrShape, DetrStyleDecoderLayer, detr_inputs, explicit_softmax_calls
+
+E, H, L, S, B = 16, 4, 5, 7, 3
+
+pytestmark = pytest.mark.skipif(
+    sys.version_info[:2] not in _unread_weights._TESTED_VERSIONS,
+    reason="skipping is off on Python versions whose bytecode was not tested",
+)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def stock_and_slim(dtype: torch.dtype = torch.float64, **kwargs) -> tuple[nn.Module, SlimMultiheadAttention]:
+    torch.manual_seed(0)
+    stock = randomize_parameters(STOCK_MHA(E, H, dtype=dtype, **kwargs))
+    slim = convert(copy.deepcopy(stock), skip_unread_weights=True)
+    return stock, slim
+
+
+def tokens(dtype: torch.dtype = torch.float64, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(L, B, E, generator=generator, dtype=torch.float64).to(dtype)
+    memory = torch.randn(S, B, E, generator=generator, dtype=torch.float64).to(dtype)
+    return query, memory, memory
+
+
+class WeightsPathSpy:
+    """Counts calls of the explicit with-weights path inside slim's forward."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = attention_module.attention_with_weights
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_module, "attention_with_weights", counting)
+
+
+@pytest.fixture
+def spy(monkeypatch) -> WeightsPathSpy:
+    return WeightsPathSpy(monkeypatch)
+
+
+# ----------------------------------------------------------- call sites the analysis recognises
+
+
+def site_subscript_zero(attn, q, k, v):
+    return attn(q, k, v)[0]
+
+
+def site_subscript_zero_keywords(attn, q, k, v):
+    return attn(q, k, value=v, key_padding_mask=None, need_weights=True, average_attn_weights=False)[0]
+
+
+def site_subscript_zero_multiline(attn, q, k, v):
+    out = attn(
+        q,
+        k,
+        v,
+    )[
+        0
+    ]
+    return out
+
+
+def site_unpack_underscore(attn, q, k, v):
+    out, _ = attn(q, k, v)
+    return out
+
+
+def site_unpack_unread_name(attn, q, k, v):
+    out, _weights = attn(q, k, v)
+    return out
+
+
+def site_unpack_in_a_loop(attn, q, k, v):
+    total = 0
+    for _ in range(2):
+        out, _ = attn(q, k, v)
+        total = total + out
+    return total / 2
+
+
+def site_unpack_then_deleted(attn, q, k, v):
+    out, unused = attn(q, k, v)
+    del unused
+    return out
+
+
+RECOGNISED = [
+    site_subscript_zero,
+    site_subscript_zero_keywords,
+    site_subscript_zero_multiline,
+    site_unpack_underscore,
+    site_unpack_unread_name,
+    site_unpack_in_a_loop,
+    site_unpack_then_deleted,
+]
+
+
+# ------------------------------------------------------- call sites that must keep the weights
+
+_KEPT: list = []
+
+
+def site_stored(attn, q, k, v):
+    result = attn(q, k, v)
+    return result
+
+
+def site_returned(attn, q, k, v):
+    return attn(q, k, v)
+
+
+def site_passed_on(attn, q, k, v):
+    return tuple(attn(q, k, v))
+
+
+def site_second_name_read_later(attn, q, k, v):
+    out, weights = attn(q, k, v)
+    return out, weights
+
+
+def site_underscore_read_later(attn, q, k, v):
+    out, _ = attn(q, k, v)
+    return out, _
+
+
+def site_read_earlier_in_a_loop(attn, q, k, v):
+    previous = None
+    for _ in range(2):
+        if previous is not None:
+            _KEPT.append(previous)
+        out, previous = attn(q, k, v)
+    return out, _KEPT.pop()
+
+
+def site_captured_by_a_closure(attn, q, k, v):
+    out, weights = attn(q, k, v)
+    return out, (lambda: weights)()
+
+
+def site_read_through_locals(attn, q, k, v):
+    out, weights = attn(q, k, v)
+    return out, locals()["weights"]
+
+
+def site_nested_unpack(attn, q, k, v):
+    (_, *later_queries), weights = attn(q, k, v)  # the first target is itself an unpacking
+    return torch.stack(later_queries), weights
+
+
+def site_subscript_one(attn, q, k, v):
+    return attn(q, k, v)[0], attn(q, k, v)[1]
+
+
+def site_subscript_false(attn, q, k, v):
+    return attn(q, k, v)[False], attn(q, k, v)[1]
+
+
+def site_star_unpack(attn, q, k, v):
+    out, *rest = attn(q, k, v)
+    return out, rest[0]
+
+
+def site_star_arguments(attn, q, k, v):
+    args = (q, k, v)
+    _KEPT.append(attn(*args))
+    return attn(*args)[0], _KEPT.pop()[1]
+
+
+def site_through_map(attn, q, k, v):
+    return list(map(attn, [q], [k], [v]))[0]
+
+
+def site_forward_called_directly(attn, q, k, v):
+    return attn.forward(q, k, v)[0], attn.forward(q, k, v)[1]
+
+
+def site_unpack_into_an_attribute(attn, q, k, v):
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.out, unused = attn(q, k, v)
+    return holder.out, attn(q, k, v)[1]
+
+
+# Each site, and how many attention calls it makes: every one of them must compute the weights.
+# Sites with two calls discard in one call (the point of the test) and read in the other.
+NOT_RECOGNISED = {
+    site_stored: 1,
+    site_returned: 1,
+    site_passed_on: 1,
+    site_second_name_read_later: 1,
+    site_underscore_read_later: 1,
+    site_read_earlier_in_a_loop: 2,
+    site_captured_by_a_closure: 1,
+    site_read_through_locals: 1,
+    site_star_unpack: 1,
+    site_through_map: 1,
+    site_subscript_false: 2,
+    site_star_arguments: 2,
+    site_forward_called_directly: 2,
+    site_unpack_into_an_attribute: 2,
+    site_nested_unpack: 1,
+}
+
+
+# --------------------------------------------------------------------------------- recognised
+
+
+@pytest.mark.parametrize("site", RECOGNISED, ids=lambda site: site.__name__)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_recognised_sites_skip_the_weights_and_match_stock(site, dtype, spy):
+    stock, slim = stock_and_slim(dtype)
+    q, k, v = tokens(dtype)
+    expected = site(stock, q, k, v)
+    actual = site(slim, q, k, v)
+    assert spy.calls == 0, "the explicit weights path ran"
+    assert_close_scaled(actual, expected, "output")
+
+
+def test_recognised_site_returns_none_as_the_weights(monkeypatch):
+    """Seen from inside: the tuple the discarding caller received had None as the weights."""
+    _, slim = stock_and_slim()
+    received = []
+    # A wrapper around forward would become the caller, so record below it, from _attend.
+    original_attend = SlimMultiheadAttention._attend
+
+    def attend(self, *args):
+        result = original_attend(self, *args)
+        received.append(result[1])
+        return result
+
+    monkeypatch.setattr(SlimMultiheadAttention, "_attend", attend)
+    q, k, v = tokens()
+    site_subscript_zero(slim, q, k, v)
+    site_unpack_underscore(slim, q, k, v)
+    assert received == [None, None]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])
+def test_skipped_gradients_match_stock(mode, spy):
+    stock, slim = stock_and_slim()
+    stock.train(mode == "train")
+    slim.train(mode == "train")
+    q, k, v = tokens()
+    grad_out = torch.randn(L, B, E, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for name, module in (("stock", stock), ("slim", slim)):
+        inputs = [t.clone().requires_grad_(mode in ("train", "eval")) for t in (q, k)]
+        context = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}.get(mode)
+        if context is None:
+            out = site_subscript_zero(module, inputs[0], inputs[1], inputs[1])
+            out.backward(grad_out)
+            results[name] = (out, *[t.grad for t in inputs])
+        else:
+            with context:
+                results[name] = (site_subscript_zero(module, inputs[0], inputs[1], inputs[1]).clone(),)
+    assert spy.calls == 0
+    for actual, expected in zip(results["slim"], results["stock"]):
+        assert_close_scaled(actual, expected)
+    if mode in ("train", "eval"):
+        assert_close_scaled(slim.q_proj_bias.grad, stock.in_proj_bias.grad[:E], "q bias grad")
+        assert_close_scaled(slim.in_proj_weight.grad, stock.in_proj_weight.grad, "in_proj_weight grad")
+
+
+@pytest.mark.parametrize(
+    "options", [{"batch_first": True}, {"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 6, "vdim": 9}]
+)
+def test_skipping_matches_stock_across_structures(options, spy):
+    stock, slim = stock_and_slim(**options)
+    generator = torch.Generator().manual_seed(5)
+    shape = (lambda n, width: (B, n, width)) if options.get("batch_first") else (lambda n, width: (n, B, width))
+    q = torch.randn(shape(L, E), generator=generator, dtype=torch.float64)
+    k = torch.randn(shape(S, options.get("kdim", E)), generator=generator, dtype=torch.float64)
+    v = torch.randn(shape(S, options.get("vdim", E)), generator=generator, dtype=torch.float64)
+    assert_close_scaled(site_subscript_zero(slim, q, k, v), site_subscript_zero(stock, q, k, v))
+    assert spy.calls == 0
+
+
+def test_skipping_unbatched_and_causal_matches_stock(spy):
+    stock, slim = stock_and_slim()
+    q, k, _ = tokens()
+    query, memory = q[:, 0], k[:, 0]  # unbatched: (L, E), (S, E)
+    expected = site_subscript_zero(stock, query, memory, memory)
+    assert_close_scaled(site_subscript_zero(slim, query, memory, memory), expected)
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.float64)
+
+    def causal_site(attn):
+        return attn(q, q, q, attn_mask=causal, is_causal=True)[0]
+
+    assert_close_scaled(causal_site(slim), causal_site(stock))
+    assert spy.calls == 0
+
+
+def test_dropout_in_training_draws_as_stock_without_weights():
+    """Skipping computes what need_weights=False computes: same RNG use as stock's weightless path."""
+    stock, slim = stock_and_slim(dropout=0.3)
+    q, k, v = tokens()
+    torch.manual_seed(11)
+    expected = stock(q, k, v, need_weights=False)[0]
+    torch.manual_seed(11)
+    actual = site_subscript_zero(slim, q, k, v)
+    assert_close_scaled(actual, expected, "dropout output")
+
+
+# ------------------------------------------------------------------------------ not recognised
+
+
+def weights_of(result) -> torch.Tensor:
+    """The weights a not-recognised site handed back (as a tuple of (output, weights))."""
+    return result[1]
+
+
+@pytest.mark.parametrize("site", NOT_RECOGNISED, ids=lambda site: site.__name__)
+def test_not_recognised_sites_return_stock_weights(site, spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    expected = site(stock, q, k, v)
+    actual = site(slim, q, k, v)
+    assert weights_of(actual) is not None, "weights were skipped at a site that reads them"
+    assert_close_scaled(actual[0], expected[0], "output")
+    assert_close_scaled(weights_of(actual), weights_of(expected), "weights")
+    assert spy.calls == NOT_RECOGNISED[site], "a call at a not-recognised site skipped its weights"
+
+
+def test_the_same_spy_sees_a_skipped_call_next_to_a_kept_one(spy):
+    """The counterpart that proves the tests above can fail: of [0] and [1], only [1] computes."""
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    out, weights = site_subscript_one(slim, q, k, v)
+    assert spy.calls == 1
+    assert_close_scaled(weights, stock(q, k, v)[1], "weights")
+
+
+class Wrapper(nn.Module):
+    """A parent that returns the attention result unchanged: the caller of the module is this forward."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, q, k, v):
+        return self.attention(q, k, v)
+
+
+def test_a_wrapping_module_keeps_the_weights(spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    out = Wrapper(slim)(q, k, v)
+    assert out[1] is not None and spy.calls == 1
+    assert_close_scaled(out[1], Wrapper(stock)(q, k, v)[1], "weights")
+    assert Wrapper(slim)(q, k, v)[0] is not None and spy.calls == 2  # [0] on the wrapper: still computed
+
+
+@pytest.mark.parametrize("scope", ["module", "global", "with_kwargs", "backward"])
+def test_hooks_that_see_the_output_keep_the_weights(scope, spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    seen = []
+    if scope == "module":
+        handle = slim.register_forward_hook(lambda module, args, output: seen.append(output[1]))
+    elif scope == "with_kwargs":
+        handle = slim.register_forward_hook(
+            lambda module, args, kwargs, output: seen.append(output[1]), with_kwargs=True
+        )
+    elif scope == "global":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: seen.append(output[1]) if module is slim else None
+        )
+    else:
+        handle = slim.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    try:
+        out = site_subscript_zero(slim, q, k, v)
+    finally:
+        handle.remove()
+    assert spy.calls == 1
+    assert_close_scaled(out, site_subscript_zero(stock, q, k, v))
+    if scope != "backward":
+        assert_close_scaled(seen[0], stock(q, k, v)[1], "weights seen by the hook")
+    site_subscript_zero(slim, q, k, v)
+    assert spy.calls == 1, "hooks removed: the site skips again"
+
+
+def test_forward_pre_hooks_do_not_stop_skipping(spy):
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    handle = slim.register_forward_pre_hook(lambda module, args: None)
+    try:
+        site_subscript_zero(slim, q, k, v)
+    finally:
+        handle.remove()
+    assert spy.calls == 0
+
+
+def test_untested_python_versions_keep_the_weights(monkeypatch, spy):
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    monkeypatch.setattr(_unread_weights, "_TESTED_VERSIONS", frozenset())
+    site_subscript_zero(slim, q, k, v)
+    assert spy.calls == 1
+
+
+def test_the_option_off_keeps_the_weights(spy):
+    _, slim = stock_and_slim()
+    slim.skip_unread_weights = False
+    q, k, v = tokens()
+    site_subscript_zero(slim, q, k, v)
+    assert spy.calls == 1
+
+
+def test_need_weights_false_is_untouched(spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    out, weights = slim(q, k, v, need_weights=False)
+    assert weights is None and spy.calls == 0
+    assert_close_scaled(out, stock(q, k, v, need_weights=False)[0])
+
+
+def test_the_bytecode_this_python_emits_is_the_shape_the_analysis_reads():
+    """3.11: ``PRECALL n; CALL n`` then ``LOAD_CONST 0; BINARY_SUBSCR`` or ``UNPACK_SEQUENCE 2; STORE_FAST x2``."""
+    names = [instruction.opname for instruction in dis.get_instructions(site_subscript_zero)]
+    call = names.index("CALL")
+    assert names[call - 1] == "PRECALL" and names[call + 1 : call + 3] == ["LOAD_CONST", "BINARY_SUBSCR"]
+    names = [instruction.opname for instruction in dis.get_instructions(site_unpack_underscore)]
+    call = names.index("CALL")
+    assert names[call + 1 : call + 4] == ["UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"]
+    keywords = [i for i in dis.get_instructions(site_subscript_zero_keywords) if i.opname == "KW_NAMES"]
+    assert len(keywords) == 1
+
+
+# ------------------------------------------------------------------------------------- traces
+
+
+class SubscriptSite(nn.Module):
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, q, k, v):
+        return self.attention(q, k, v)[0]
+
+
+def graph_has_softmax(graph_module: torch.fx.GraphModule) -> bool:
+    return "softmax" in str(graph_module.graph)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_torch_compile_traces_the_weights_path(fresh_dynamo):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    out = torch.compile(SubscriptSite(slim), backend=backend, fullgraph=True)(q, k, v)
+    assert_close_scaled(out, site_subscript_zero(stock, q, k, v))
+    assert graphs and graph_has_softmax(graphs[0])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_torch_export_traces_the_weights_path(strict):
+    _, slim = stock_and_slim(dtype=torch.float32)
+    q, k, v = tokens(torch.float32)
+    exported = torch.export.export(SubscriptSite(slim), (q, k, v), strict=strict)
+    assert graph_has_softmax(exported.graph_module)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_jit_trace_traces_the_weights_path():
+    _, slim = stock_and_slim(dtype=torch.float32)
+    q, k, v = tokens(torch.float32)
+    traced = torch.jit.trace(SubscriptSite(slim), (q, k, v), check_trace=False)
+    assert "softmax" in str(traced.inlined_graph)
+
+
+def test_make_fx_traces_the_weights_path():
+    _, slim = stock_and_slim(dtype=torch.float32)
+    q, k, v = tokens(torch.float32)
+    site = SubscriptSite(slim)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert graph_has_softmax(make_fx(site)(q, k, v))
+
+
+def test_dispatch_modes_keep_the_weights():
+    """FakeTensorMode, make_fx and non-strict export run Python under a TorchDispatchMode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    with RecordOps() as recorder:
+        site_subscript_zero(slim, q, k, v)
+    assert any("softmax" in op for op in recorder.ops)
+    with RecordOps() as recorder:
+        slim(q, k, v, need_weights=False)
+    assert not any("softmax" in op for op in recorder.ops)  # the recorder can tell
+
+
+def test_functorch_transforms_keep_the_weights(spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    expected = torch.func.grad(lambda query: site_subscript_zero(stock, query, k, v).sum())(q)
+    actual = torch.func.grad(lambda query: site_subscript_zero(slim, query, k, v).sum())(q)
+    assert spy.calls == 1
+    assert_close_scaled(actual, expected, "grad through torch.func.grad")
+    # vmap: slim's weights path itself does not run under vmap yet (softmax with out=), so the
+    # decision is checked on its own: inside the transform, nothing is skipped.
+    seen = []
+    torch.func.vmap(lambda query: seen.append(_unread_weights._tracing(query)) or query)(q)
+    assert seen == [True] and _unread_weights._tracing(q) is False
+
+
+# --------------------------------------------------------------------------------- the cache
+
+
+def test_each_call_site_is_analysed_once(monkeypatch):
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    _unread_weights._VERDICTS.clear()
+    analysed = []
+    original = _unread_weights._analyse_call_site
+
+    def counting(code, lasti):
+        analysed.append((code.co_name, lasti))
+        return original(code, lasti)
+
+    monkeypatch.setattr(_unread_weights, "_analyse_call_site", counting)
+    for _ in range(5):
+        site_subscript_zero(slim, q, k, v)
+        site_unpack_underscore(slim, q, k, v)
+        site_stored(slim, q, k, v)
+    assert sorted(name for name, _ in analysed) == ["site_stored", "site_subscript_zero", "site_unpack_underscore"]
+    verdicts = {code.co_name: verdict for (code, _), verdict in _unread_weights._VERDICTS.items()}
+    assert verdicts["site_subscript_zero"] is not None and verdicts["site_stored"] is None
+
+
+# ------------------------------------------------------------------ DETR's decoder layer, as DETR calls it
+
+
+def detr_pair(dropout: float = 0.0):
+    shape = DetrShape(queries=6, memory=11, embed_dim=E, heads=H, batch=2, feedforward=32)
+    torch.manual_seed(0)
+    stock = DetrStyleDecoderLayer(E, H, shape.feedforward, dropout).double()
+    randomize_parameters(stock.self_attn, seed=1)
+    randomize_parameters(stock.multihead_attn, seed=2)
+    inputs = detr_inputs(shape, torch.Generator().manual_seed(3), torch.device("cpu"))
+    inputs = {name: t.double() if t.is_floating_point() else t for name, t in inputs.items()}
+    return stock, inputs
+
+
+@pytest.mark.parametrize("build", ["convert", "patched"])
+@pytest.mark.parametrize("mode", ["train", "eval", "inference_mode"])
+def test_detr_decoder_layer_computes_no_weights_and_matches_stock(build, mode):
+    stock, inputs = detr_pair()
+    if build == "convert":
+        slim = convert(copy.deepcopy(stock), skip_unread_weights=True)
+    else:
+        with patched(skip_unread_weights=True):
+            slim = DetrStyleDecoderLayer(E, H, 32, 0.0).double()
+        slim.load_state_dict(stock.state_dict())
+    assert isinstance(slim.self_attn, SlimMultiheadAttention) and slim.self_attn.skip_unread_weights
+    for layer in (stock, slim):
+        layer.train(mode == "train")
+    grad_out = torch.randn_like(inputs["tgt"])
+
+    def step(layer):
+        if mode == "inference_mode":
+            with torch.inference_mode():
+                return (layer(**inputs).clone(),)
+        tgt = inputs["tgt"].clone().requires_grad_()
+        memory = inputs["memory"].clone().requires_grad_()
+        out = layer(**{**inputs, "tgt": tgt, "memory": memory})
+        out.backward(grad_out)
+        return out, tgt.grad, memory.grad
+
+    expected = step(stock)
+    actual = step(slim)
+    for what, a, b in zip(("output", "tgt grad", "memory grad"), actual, expected):
+        assert_close_scaled(a, b, what)
+    if mode != "inference_mode":
+        for name, parameter in slim.named_parameters():
+            if name.startswith(("linear", "norm")):
+                assert_close_scaled(parameter.grad, dict(stock.named_parameters())[name].grad, name)
+    assert explicit_softmax_calls(lambda: step(stock)) == 2  # the check sees both weights paths
+    assert explicit_softmax_calls(lambda: step(slim)) == 0
+
+
+def test_detr_decoder_layer_with_dropout_draws_as_stock_without_weights():
+    """DETR trains with attention dropout 0.1: the skipped layer draws as need_weights=False would."""
+    stock, inputs = detr_pair(dropout=0.1)
+    slim = convert(copy.deepcopy(stock), skip_unread_weights=True).train()
+    reference = copy.deepcopy(stock).train()
+    for attention in (reference.self_attn, reference.multihead_attn):  # stock, with need_weights=False
+        attention.forward = functools.partial(type(attention).forward, attention, need_weights=False)
+    torch.manual_seed(5)
+    expected = reference(**inputs)
+    torch.manual_seed(5)
+    actual = slim(**inputs)
+    assert_close_scaled(actual, expected, "output with dropout")
+
+
+# ---------------------------------------------------------------------------------- the audit
+
+
+def line_of(function, text: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    return first + next(index for index, line in enumerate(lines) if text in line)
+
+
+def test_the_audit_names_the_detr_call_sites_with_counts(capsys):
+    stock, inputs = detr_pair()
+    stock.eval()
+    with unread_weights_report() as report:
+        for _ in range(3):
+            stock(**inputs)
+        site_stored(stock.self_attn, inputs["tgt"], inputs["tgt"], inputs["tgt"])  # weights kept: not listed
+    forward = DetrStyleDecoderLayer.forward
+    expected_lines = {line_of(forward, "self.self_attn("), line_of(forward, "tgt2 = self.multihead_attn(")}
+    assert {site.lineno for site in report.sites} == expected_lines
+    assert all(site.calls == 3 for site in report.sites)
+    assert all(site.filename == forward.__code__.co_filename for site in report.sites)
+    assert all(site.function == "DetrStyleDecoderLayer.forward" for site in report.sites)
+    printed = capsys.readouterr().err
+    for site in report.sites:
+        assert f"{site.filename}:{site.lineno} in DetrStyleDecoderLayer.forward: 3 calls" in printed
+    assert "fix: pass need_weights=False" in printed
+
+
+def test_the_audit_counts_slim_modules_that_compute_weights_and_not_those_that_skip():
+    stock, inputs = detr_pair()
+    computing = convert(copy.deepcopy(stock)).eval()
+    skipping = convert(copy.deepcopy(stock), skip_unread_weights=True).eval()
+    with unread_weights_report(quiet=True) as report:
+        computing(**inputs)
+    assert len(report.sites) == 2
+    with unread_weights_report(quiet=True) as report:
+        out = skipping(**inputs)
+    assert report.sites == []
+    assert_close_scaled(out, stock.eval()(**inputs))
+
+
+def test_the_audit_nests_and_removes_its_hook():
+    stock, _ = stock_and_slim()
+    q, k, v = tokens()
+    hooks_before = dict(torch.nn.modules.module._global_forward_hooks)
+    stream = io.StringIO()
+    with unread_weights_report(file=stream) as outer:
+        site_subscript_zero(stock, q, k, v)
+        with unread_weights_report(quiet=True) as inner:
+            site_unpack_underscore(stock, q, k, v)
+        site_subscript_zero(stock, q, k, v)
+    assert [(s.function, s.calls) for s in outer.sites] == [("site_subscript_zero", 2), ("site_unpack_underscore", 1)]
+    assert [(s.function, s.calls) for s in inner.sites] == [("site_unpack_underscore", 1)]
+    assert dict(torch.nn.modules.module._global_forward_hooks) == hooks_before
+    assert stream.getvalue().startswith("slim_mha: 2 call site(s) computed attention weights")
+
+
+def test_an_empty_audit_says_so(capsys):
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    with unread_weights_report() as report:
+        site_subscript_zero(slim, q, k, v)  # skipped: nothing computed, nothing to report
+    assert report.sites == []
+    assert "no attention call computed weights that its caller discarded" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ the option's plumbing
+
+
+def test_the_option_is_keyword_only_and_checked():
+    parameter = inspect.signature(SlimMultiheadAttention.__init__).parameters["skip_unread_weights"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default is False
+    with pytest.raises(ValueError, match=r"^skip_unread_weights must be True or False, got 'yes'; pass a bool$"):
+        SlimMultiheadAttention(E, H, skip_unread_weights="yes")
+    with pytest.raises(ValueError, match=r"^skip_unread_weights must be True or False, got 1; pass a bool$"):
+        convert(nn.Linear(2, 2), skip_unread_weights=1)
+    message = r"^skip_unread_weights must be True, False or None \(no preference\), got 'on'$"
+    with pytest.raises(ValueError, match=message):
+        patch(skip_unread_weights="on")
+    assert not slim_mha.is_patched()
+
+
+def test_old_pickles_and_round_trips():
+    _, slim = stock_and_slim()
+    restored = pickle.loads(pickle.dumps(slim))
+    assert restored.skip_unread_weights is True
+    del slim.__dict__["skip_unread_weights"]  # as a module pickled before the option existed
+    assert pickle.loads(pickle.dumps(slim)).skip_unread_weights is False
+
+
+def test_patch_and_patched_set_the_default_for_modules_built():
+    try:
+        with patched(skip_unread_weights=True):
+            assert nn.MultiheadAttention(E, H).skip_unread_weights is True
+            assert nn.MultiheadAttention(E, H, skip_unread_weights=False).skip_unread_weights is False
+            with patched():  # no preference: the outer one stands
+                assert nn.MultiheadAttention(E, H).skip_unread_weights is True
+                with patched(skip_unread_weights=False):
+                    assert nn.MultiheadAttention(E, H).skip_unread_weights is False
+            layer = nn.TransformerDecoderLayer(E, H, 32)
+            assert layer.self_attn.skip_unread_weights and layer.multihead_attn.skip_unread_weights
+        with patched():
+            assert nn.MultiheadAttention(E, H).skip_unread_weights is False
+        patch(skip_unread_weights=True)
+        patch()  # idempotent: keeps its preference
+        assert nn.MultiheadAttention(E, H).skip_unread_weights is True
+    finally:
+        unpatch()
+    patch()
+    try:
+        assert nn.MultiheadAttention(E, H).skip_unread_weights is False
+    finally:
+        unpatch()
+    assert not slim_mha.is_patched()
+    assert inspect.signature(slim_mha.patching.PatchedMultiheadAttention).parameters.keys() == (
+        inspect.signature(SlimMultiheadAttention).parameters.keys()
+    )
+
+
+def test_convert_sets_the_option_on_the_modules_it_builds():
+    model = nn.Sequential(STOCK_MHA(E, H), STOCK_MHA(E, H))
+    converted = convert(model, skip_unread_weights=True)
+    assert all(m.skip_unread_weights for m in converted if isinstance(m, SlimMultiheadAttention))
+    assert convert(STOCK_MHA(E, H)).skip_unread_weights is False
+
+
+def test_a_wrong_skip_is_loud_not_a_wrong_number():
+    """The documented residual: a C callable that caches the result hands a later reader None."""
+    _, slim = stock_and_slim()
+    q, k, v = tokens()
+    cached = functools.lru_cache(maxsize=None)(slim)
+    cached(q, k, v)[0]
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'sum'"):
+        cached(q, k, v)[1].sum()
+
+
+# ------------------------------------------------------------------------------ the benchmark case
+
+
+def test_the_detr_benchmark_measures_what_it_claims():
+    """A tiny run of the DETR case: slim_skip runs no weights path where stock and slim do."""
+    from slim_mha.bench.detr import format_detr, run_detr
+    from slim_mha.bench.timing import Settings
+
+    tiny = DetrShape(queries=4, memory=9, embed_dim=E, heads=H, batch=2, feedforward=8)
+    settings = Settings(repeats=1, min_repeats=1, warmup=0, min_sample_s=0.0, max_case_s=1.0)
+    payload = run_detr(settings, torch.device("cpu"), modes=("inference", "train-no-dropout"), shape=tiny)
+    for result in payload["modes"]:
+        calls = {name: memory["explicit_softmax_calls"] for name, memory in result["memory"].items()}
+        assert calls["stock"] == 2 and calls["slim"] >= 2 and calls["slim_skip"] == 0, calls
+        assert max(result["relative_error"].values()) < 1e-5
+    table = format_detr(payload)
+    assert "| inference |" in table and "| train-no-dropout |" in table
+
+
+def test_the_detr_flag_refuses_matrix_options(capsys):
+    from slim_mha.bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--detr", "--mode", "train"])
+    assert "error: --detr runs one fixed case: drop --mode" in capsys.readouterr().err
