@@ -86,5 +86,5 @@ def test_fsdp2_trains_a_patched_model_in_sync(trained):
     """The same under fully_shard on a CPU device mesh; the full state dict is gathered to save."""
     unsupported = trained / "fsdp2-unsupported.txt"
     if unsupported.exists():
-        pytest.skip(f"this torch has no FSDP2: {unsupported.read_text()}")
+        pytest.skip(unsupported.read_text())
     load_back(trained / "fsdp2.pt")
