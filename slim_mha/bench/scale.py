@@ -497,8 +497,8 @@ def plot_scale(payload: dict, path: Path) -> str:
                                      textcoords="offset points", xytext=(-30, 8), fontsize=8, color=style["color"])
         if cap:
             memory_axis.axhline(cap / 2**20, color="grey", linewidth=0.8, linestyle=":")
-            memory_axis.annotate("memory cap", (memory_axis.get_xlim()[0], cap / 2**20), fontsize=8, color="grey",
-                                 textcoords="offset points", xytext=(4, -12))
+            memory_axis.annotate("memory cap per case", (0.01, cap / 2**20), xycoords=("axes fraction", "data"),
+                                 fontsize=8, color="grey", textcoords="offset points", xytext=(0, -12))
         for axis, what, points in (
             (time_axis, "time of one call (s)", time_points),
             (memory_axis, "peak memory above baseline (MiB)", memory_points),
