@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench import correctness
+from slim_mha.bench import correctness, report
+from slim_mha.bench.load import competing_load
 from slim_mha.bench.cases import TARGET_SHAPES, build_matrix
 
 TINY = ["--shape", "2x16x32x4", "--repeats", "2", "--warmup", "1", "--min-sample-ms", "0", "--device", "cpu"]
@@ -40,8 +42,47 @@ def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
     assert "native fast path" in stock_paths  # eval self-attention must hit stock's fast path
     assert {check["target"].split(":")[0] for check in payload["targets"]} >= {"every case"}
 
-    assert "stock/slim" in out and "slim/floor" in out and "Targets:" in out
+    assert "stock/slim" in out and "slim/floor" in out and "Targets:" not in out  # targets: --targets only
     assert "train  " in out and "cross" in out
+    markdown = (tmp_path / "bench.md").read_text()  # the full table goes next to the JSON
+    assert "| floor ms |" in markdown and "Targets:" in markdown
+
+
+def test_output_fits_120_columns_without_profiler_chatter(capfd, tmp_path):
+    """The real entry point, captured at the file descriptors, where the profiler's native chatter lands."""
+    path = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--json", str(path), "--mode", "train-equivariance,train", "--targets", "--no-plot"]) == 0
+    out, err = capfd.readouterr()
+    lines = (out + err).splitlines()
+    assert not [line for line in lines if "USDT" in line or "profiler_st" in line]
+    assert [line for line in lines if len(line) > 120] == []
+    assert "Targets:" in out and "why: " in out
+    payload = json.loads(path.read_text())
+    largest = max(result["relative_error"]["slim"] for result in payload["cases"])
+    agreement = next(line for line in out.splitlines() if line.startswith("agreement:"))
+    assert f"largest relative error {largest:.1e}" in agreement  # a measured value, not a flag
+
+
+def test_table_fits_120_columns_at_the_widest_case():
+    """The longest mode, attention and shape labels and two dtypes (the dtype then joins each row)."""
+    case = {"batch": 16, "seq_len": 1024, "embed_dim": 1024, "num_heads": 16, "attention": "cross",
+            "need_weights": True, "mode": "train-equivariance"}
+    timing = {"median_ms": 12345.67, "iqr_over_median": 0.5}
+    results = [
+        {
+            "case": {**case, "dtype": dtype},
+            "name": dtype,
+            "agrees": False,
+            "time": {name: timing for name in ("stock", "slim", "floor")},
+            "ratios": {"stock_over_slim": 111.27, "slim_over_floor": 10.5, "stock_over_floor": 1.0},
+            "ratio_spread": {"stock_over_slim": [78.48, 144.06]},
+            "memory": {name: {"peak_bytes": 123456 * 2**20} for name in ("stock", "slim", "floor")},
+        }
+        for dtype in ("bf16", "fp16")
+    ]
+    table = report.format_table(results)
+    assert max(len(line) for line in table.splitlines()) <= 120, table
+    assert "* MISMATCH" in table and "fp16" in table
 
 
 def test_plot_is_skipped_with_a_note_without_matplotlib(capsys, tmp_path, monkeypatch):
@@ -51,14 +92,46 @@ def test_plot_is_skipped_with_a_note_without_matplotlib(capsys, tmp_path, monkey
     assert any("plot skipped" in note for note in payload["notes"])
 
 
-def test_plot_is_drawn_over_sequence_lengths(capsys, tmp_path):
+def test_plot_covers_every_case_run(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "speedup.png"
-    run_bench(
-        capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference", "--attention", "self",
-        "--need-weights", "false", "--plot", str(plot),
-    )
+    payload, out = run_bench(capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference,train",
+                             "--attention", "self", "--plot", str(plot))
+    assert len(payload["cases"]) == 8 and f"plot written to {plot} (8 cases)" in out
     assert plot.stat().st_size > 0
+
+
+def test_busy_processes_run_during_the_block_and_are_stopped_after_it():
+    with competing_load(2, max_seconds=60) as pids:
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    assert not any(_running(pid) for pid in pids)
+    with pytest.raises(KeyboardInterrupt), competing_load(1, max_seconds=60) as pids:
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a run stops them too
+    assert not _running(pids[0])
+
+
+def test_busy_processes_end_by_themselves_after_max_seconds():
+    with competing_load(1, max_seconds=0.2) as pids:
+        deadline = time.monotonic() + 20
+        while _running(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(pids[0])
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child that its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_busy_run_records_the_load_and_says_so(capsys, tmp_path):
+    payload, out = run_bench(capsys, tmp_path, "--mode", "inference", "--attention", "self", "--busy", "1",
+                             "--need-weights", "true", "--no-plot")
+    assert payload["settings"]["busy_processes"] == 1
+    assert "beside 1 busy processes" in out and "ran beside 1 competing busy process (--busy)" in out
 
 
 def test_missing_equivariance_mode_is_skipped_with_a_note(capsys, tmp_path, monkeypatch):
@@ -92,6 +165,7 @@ def test_dry_run_lists_cases(capsys):
         (["--dtype", "fp8"], "--dtype: unknown 'fp8'"),
         (["--mode", "training"], "--mode: unknown 'training'"),
         (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--busy", "-1"], "--busy must be between 0 and 64 competing processes, got -1"),
     ],
 )
 def test_bad_options_are_parser_errors(capsys, argv, message):

@@ -12,10 +12,12 @@ import torch
 
 from .cases import DTYPES, MODES, build_matrix, parse_shape
 from .contenders import equivariance_support
+from .load import competing_load
 from .report import (
     evaluate_targets,
     format_markdown,
     format_profiles,
+    format_summary,
     format_table,
     format_targets,
     plot_speedup,
@@ -32,6 +34,8 @@ examples:
   python -m slim_mha.bench --shape 4x512x512x8 --seq-len 128,256,512 --mode train --repeats 9
   python -m slim_mha.bench --device cuda --dtype bf16 --json out/cuda.json --plot out/cuda.png
   python -m slim_mha.bench --full --dry-run        # list the cases without running them
+  python -m slim_mha.bench --busy 2                # the quick run beside 2 busy processes (a shared CPU)
+  python -m slim_mha.bench --targets               # also check the project's speed and memory targets
   python -m slim_mha.bench --detr                  # DETR decoder layer, skip_unread_weights off vs on
 """
 
@@ -95,7 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="results file (default: bench-out/slim_mha_bench_<device>.json)")
     parser.add_argument("--plot", type=Path, help="speed-up plot (default: the JSON path with .png)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
-    parser.add_argument("--markdown", type=Path, help="also write the table and targets as markdown here")
+    parser.add_argument(
+        "--markdown", type=Path, help="the full table and targets as markdown (default: the JSON path with .md)"
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run beside N competing busy processes (started and stopped by the benchmark) to see robustness",
+    )
+    parser.add_argument(
+        "--busy-max-s",
+        type=float,
+        default=1800.0,
+        help="the busy processes end by themselves after this many seconds at most (default: 1800)",
+    )
+    parser.add_argument(
+        "--targets", action="store_true", help="also print the project's targets (issues 6 and 7) with verdicts"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
     )
@@ -130,6 +152,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, device:
     for attention in args.attention or ():
         if attention not in ("self", "cross"):
             parser.error(f"--attention: unknown {attention!r}; choose from self, cross")
+    if args.busy < 0 or args.busy > 64:
+        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
+    if args.busy_max_s <= 0:
+        parser.error(f"--busy-max-s must be positive, got {args.busy_max_s}")
     for name in ("repeats", "warmup", "threads", "equivariance_every"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
@@ -203,13 +229,16 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
     payload["elapsed_s"] = time.perf_counter() - started
 
 
-def _busy_machine_note(results: list[dict]) -> str | None:
+def _busy_machine_note(results: list[dict], busy: int) -> str | None:
     loads = [load for result in results for load in result["load_average"] if load is not None]
     cores = os.cpu_count() or 1
+    if busy:
+        load = f"; 1-minute load {min(loads):.1f} to {max(loads):.1f} on {cores} cores" if loads else ""
+        return f"ran beside {busy} competing busy process{'es' if busy > 1 else ''} (--busy){load}"
     if not loads or max(loads) <= cores + 0.5:
         return None
     return (
-        f"warning: the machine was busy (1-minute load up to {max(loads):.1f} on {cores} cores); "
+        f"warning: the machine was busy (1-minute load up to {max(loads):.1f} on {cores} cores);\n"
         "other processes shared the CPU, so spreads are wide and single cases may be off"
     )
 
@@ -266,35 +295,40 @@ def main(argv: list[str] | None = None) -> int:
             "full": args.full,
             "threads": torch.get_num_threads(),
             "equivariance_every": args.equivariance_every,
+            "busy_processes": args.busy,
         },
         "notes": notes,
         "cases": [],
     }
+    busy = f", beside {args.busy} busy processes" if args.busy else ""
     print(
         f"slim_mha benchmark: {len(cases)} cases on {payload['environment']['device_name']} "
-        f"(torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        f"(torch {torch.__version__}, {torch.get_num_threads()} threads{busy})",
         flush=True,
     )
-    _run_cases(cases, device, args, payload, json_path)
+    with competing_load(args.busy, args.busy_max_s):
+        _run_cases(cases, device, args, payload, json_path)
 
     checks = evaluate_targets(payload["cases"], device.type)
     payload["targets"] = [check.as_dict() for check in checks]
     if not args.no_plot:
         notes.append(plot_speedup(payload["cases"], args.plot or json_path.with_suffix(".png")))
-    busy = _busy_machine_note(payload["cases"]) if device.type == "cpu" else None
-    if busy:
-        notes.append(busy)
+    load_note = _busy_machine_note(payload["cases"], args.busy) if device.type == "cpu" else None
+    if load_note:
+        notes.append(load_note)
     write_json(json_path, payload)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(format_markdown(payload) + "\n")
+    markdown_path = args.markdown or json_path.with_suffix(".md")
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(format_markdown(payload) + "\n")
 
     print(format_table(payload["cases"]))
+    print(format_summary(payload["cases"]))
     if args.profile:
         print(format_profiles(payload["cases"]))
-    print(format_targets(checks))
+    if args.targets:
+        print(format_targets(checks))
     print("\n".join(notes))
-    print(f"results written to {json_path} ({payload['elapsed_s']:.0f} s)")
+    print(f"results ({payload['elapsed_s']:.0f} s): {json_path}\nfull table and targets: {markdown_path}")
     return 0
 
 

@@ -18,7 +18,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +43,48 @@ __all__ = [
 ]
 
 _NATIVE_FAST_PATH = "aten::_native_multi_head_attention"
+# What the profiler's native code (Kineto) writes straight to the process's stdout/stderr on every
+# start and stop, e.g. "USDT:2026-12-02 18:56:03 6332:6332 SyncActivityProfilerHandler.cpp:52] profiler_start".
+_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):|\] (profiler_start|profiler_stop|Completed Stage)")
+
+
+@contextlib.contextmanager
+def _profiler_chatter_silenced() -> Iterator[None]:
+    """Capture file descriptors 1 and 2 (native code bypasses ``sys.stdout``) around a profiled step.
+
+    Lines other than the profiler's own start/stop chatter are written back to stderr afterwards,
+    so a real warning or error from inside the step is not lost.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            _flush_c_streams()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for descriptor in saved:
+                os.close(descriptor)
+            sink.seek(0)
+            kept = [
+                line for line in sink.read().decode(errors="replace").splitlines() if not _PROFILER_CHATTER.search(line)
+            ]
+            if kept:
+                print("\n".join(kept), file=sys.stderr)
+
+
+def _flush_c_streams() -> None:
+    """Flush C's stdio buffers, so that nothing native code printed lands after the descriptors are restored."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _storage_key(tensor: Tensor) -> int:
@@ -77,7 +126,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> StepProfile:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _profiler_chatter_silenced():
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda) as profiler:
             step()
@@ -126,7 +175,7 @@ def top_ops(step: Callable[[], None], reset: Callable[[], None], *, steps: int =
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _profiler_chatter_silenced():
         warnings.simplefilter("ignore")
         with profile(activities=activities) as profiler:
             for _ in range(steps):
