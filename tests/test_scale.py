@@ -254,6 +254,9 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
     assert "| 4,096 | **OOM** |" in markdown
     assert "* stock point-cloud inference: none (OOM at N=4,096)" in markdown
     assert "* slim point-cloud inference: 4,100 (ran every N)" in markdown
+    slim_peak = by_case[("slim point-cloud inference", 4096)]["peak_bytes"]
+    assert "Memory at the largest N both contenders ran:\n\n* none: no N was run by both" in markdown
+    assert slim_peak is not None
 
 
 def test_a_child_past_its_timeout_is_killed_and_recorded():
@@ -307,6 +310,13 @@ def test_a_case_expected_to_exceed_the_memory_cap_runs_to_record_its_oom():
     assert result["stops"] == {"stock point-cloud inference": "OOM at N=4,000"}
 
 
+def test_leading_curves_run_over_every_n_first():
+    run_case, calls = fake_case(1e-9)
+    masked = Series("slim", **POINT_CLOUD, mode="inference", padding_mask=True)
+    scale.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE, masked], [10, 20], Settings(), lead=2, run_case=run_case)
+    assert calls == [("stock", 10), ("slim", 10), ("stock", 20), ("slim", 20), ("slim", 10), ("slim", 20)]
+
+
 def test_sweep_budget_leaves_later_cases_unrun(monkeypatch):
     clock = iter([0.0, 1.0, 12.0, 13.0])  # the start, then before each case, then the end
     monkeypatch.setattr(scale.time, "perf_counter", lambda: next(clock))
@@ -343,6 +353,8 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
     markdown = path.with_suffix(".md").read_text()
     assert "**point-cloud (E=64, H=4), inference**" in markdown
     assert "| N | stock, padding mask | slim, padding mask |" in markdown
+    stock_peak, slim_peak = (payload["cases"][i]["peak_bytes"] for i in (0, 1))
+    assert f"* point-cloud inference +mask, N=64: stock +{scale._mib(stock_peak)}, slim +{scale._mib(slim_peak)}" in markdown
     if "--no-plot" not in argv:
         assert path.with_suffix(".png").stat().st_size > 0
     out = capsys.readouterr().out

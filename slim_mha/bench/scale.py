@@ -17,10 +17,12 @@ mask, in inference and training, always with ``need_weights=False``.
   reset there through ``/proc/self/clear_refs``), on CUDA ``max_memory_allocated`` above what was
   allocated before. Inputs, weights and the runtime are in the baseline; what remains is what the
   call needs.
-* **Budgets.** A contender's curve stops after it fails, after a call takes longer than the case
-  budget, or when the call at the next N is extrapolated (from the slope of its last two points)
-  to take longer; the sweep starts no case once its total budget is spent. Every case not run is
-  recorded with the reason.
+* **Order and budgets.** The first configuration (point-cloud inference without a mask, by default)
+  runs over every N first, then the others in order of N. A contender's curve stops after it
+  fails, after a call takes longer than the case budget, or when the call at the next N is
+  extrapolated (from the slope of its last two points) to take longer, unless it is extrapolated
+  to need more memory than the cap (it then fails at once, which is the point to record); the sweep
+  starts no case once its total budget is spent. Every case not run is recorded with the reason.
 
 Output: JSON, a Markdown report (tables, the largest N each contender handled, memory at a common
 N) and a log-log plot of time and memory against N.
@@ -319,40 +321,43 @@ def _over_time_budget(measured: list[dict], tokens: int, settings: Settings) -> 
     return None
 
 
-def run_sweep(series_list: list[Series], tokens: list[int], settings: Settings, *, on_case=None, run_case=None) -> dict:
-    """Every (N, series) case in order of N, stock and slim side by side; returns cases and why curves stopped.
+def _stop_for_time(stops: dict, series: Series, measured: list[dict], tokens: int, settings: Settings) -> bool:
+    reason = _over_time_budget(measured, tokens, settings)
+    if reason is not None:
+        stops[series] = reason
+    return reason is not None
 
-    ``run_case(series, tokens, settings)`` returns a case's result (default: in a child process).
+
+def run_sweep(
+    series_list: list[Series], tokens: list[int], settings: Settings, *, lead: int = 0, on_case=None, run_case=None
+) -> dict:
+    """Every (N, series) case, stock and slim side by side; returns the cases and why curves stopped.
+
+    The first ``lead`` curves run over every N first, then the rest in order of N, so that a short
+    budget still follows the leading configuration to its limits. ``run_case(series, tokens,
+    settings)`` returns a case's result (default: measured in a child process).
     """
     run_case = run_case or _run_child
     started = time.perf_counter()
     cases, stops = [], {}
     measured: dict[Series, list[dict]] = {series: [] for series in series_list}
-    for n in sorted(tokens):
-        for series in series_list:
-            record = {"series": asdict(series), "name": series.name, "tokens": n, "batch": settings.batch}
-            if series not in stops:
-                if time.perf_counter() - started > settings.budget_s:
-                    record.update(status="skipped", detail=f"not run: the sweep budget of {settings.budget_s:.0f} s was spent")
-                    cases.append(record)
-                    if on_case is not None:
-                        on_case(record)
-                    continue
-                reason = _over_time_budget(measured[series], n, settings)
-                if reason is not None:
-                    stops[series] = reason
-            if series in stops:
-                record.update(status="skipped", detail=stops[series])
+    order = [(n, series) for group in (series_list[:lead], series_list[lead:]) for n in sorted(tokens) for series in group]
+    for n, series in order:
+        record = {"series": asdict(series), "name": series.name, "tokens": n, "batch": settings.batch}
+        if series not in stops and time.perf_counter() - started > settings.budget_s:
+            record.update(status="skipped", detail=f"not run: the sweep budget of {settings.budget_s:.0f} s was spent")
+        elif series in stops or _stop_for_time(stops, series, measured[series], n, settings):
+            record.update(status="skipped", detail=stops[series])
+        else:
+            record["load_average"] = _load_average()
+            record.update(run_case(series, n, settings))
+            if record["status"] == "ok":
+                measured[series].append(record)
             else:
-                record["load_average"] = _load_average()
-                record.update(run_case(series, n, settings))
-                if record["status"] == "ok":
-                    measured[series].append(record)
-                else:
-                    stops[series] = f"{record['status'].upper() if record['status'] == 'oom' else record['status']} at N={n:,}"
-            cases.append(record)
-            if on_case is not None:
-                on_case(record)
+                stops[series] = f"{record['status'].upper() if record['status'] == 'oom' else record['status']} at N={n:,}"
+        cases.append(record)
+        if on_case is not None:
+            on_case(record)
     return {"cases": cases, "stops": {series.name: reason for series, reason in stops.items()},
             "elapsed_s": time.perf_counter() - started}
 
@@ -402,6 +407,23 @@ def largest_handled(cases: list[dict]) -> dict[str, int | None]:
     return largest
 
 
+def common_n_memory(cases: list[dict]) -> dict[tuple, tuple[int, int | None, int | None]]:
+    """Per (shape, mode, padding mask): the largest N both stock and slim ran, and their peaks there."""
+    ran: dict[tuple, dict[int, dict[str, int | None]]] = {}
+    for record in cases:
+        if record["status"] == "ok":
+            series = record["series"]
+            key = (series["shape"], series["mode"], series["padding_mask"])
+            ran.setdefault(key, {}).setdefault(record["tokens"], {})[series["contender"]] = record["peak_bytes"]
+    common = {}
+    for key, by_n in ran.items():
+        both = [n for n, peaks in by_n.items() if {"stock", "slim"} <= set(peaks)]
+        if both:
+            n = max(both)
+            common[key] = (n, by_n[n]["stock"], by_n[n]["slim"])
+    return common
+
+
 def format_markdown(payload: dict) -> str:
     settings, cases = payload["settings"], payload["cases"]
     environment = payload["environment"]
@@ -432,6 +454,13 @@ def format_markdown(payload: dict) -> str:
                   "| N | " + " | ".join(columns) + " |", "|--:|" + "--:|" * len(columns)]
         for n in tokens:
             lines.append(f"| {n:,} | " + " | ".join(_cell(cells[(n, c)]) if (n, c) in cells else "" for c in columns) + " |")
+    lines += ["", "Memory at the largest N both contenders ran:", ""]
+    common = common_n_memory(cases)
+    if not common:
+        lines.append("* none: no N was run by both")
+    for (shape, mode, masked), (n, stock, slim) in common.items():
+        lines.append(f"* {shape} {mode}{' +mask' if masked else ''}, N={n:,}: stock +{_mib(stock)}, slim +{_mib(slim)}"
+                     + (f" ({stock / slim:,.0f}x less)" if stock and slim else ""))
     lines += ["", "Largest N each contender ran, and why its curve stopped:", ""]
     for name, largest in largest_handled(cases).items():
         reason = payload["stops"].get(name, "ran every N")
@@ -670,7 +699,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_cell(record) if record['status'] == 'ok' else record.get('detail', record['status'])}",
                   file=sys.stderr, flush=True)
 
-    result = run_sweep(series_list, tokens, settings, on_case=on_case)
+    # The first configuration (the point-cloud shape at inference, without a mask, by default) runs
+    # over every N first: even a short budget then records stock's OOM point and slim's largest N.
+    lead = len(args.contender or CONTENDERS)
+    result = run_sweep(series_list, tokens, settings, lead=lead, on_case=on_case)
     payload.update(stops=result["stops"], elapsed_s=result["elapsed_s"], load_after=_load_average())
     if not args.no_plot:
         payload["notes"].append(plot_scale(payload, args.plot or json_path.with_suffix(".png")))
