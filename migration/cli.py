@@ -127,7 +127,8 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
             "--fold-value-bias",
             action="store_true",
             help="also fold the value bias into out_proj.bias; exact for inference (eval) only: with "
-            "attention dropout (training) the outputs differ",
+            "attention dropout (training) the outputs differ. The output has no v_proj_bias: load it into a "
+            "slim model after slim_mha.fold_value_bias(model.eval())",
         )
     sub.add_argument("--quiet", action="store_true", help="print nothing on success and show no progress bar")
 
