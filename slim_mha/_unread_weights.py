@@ -93,8 +93,8 @@ class _Site:
     keywords: tuple[str, ...]
 
 
-# Module._call_impl's code -> the codes of the frames between Module.__call__ and forward.
-_BETWEEN_CODES: dict[CodeType, frozenset[CodeType]] = {}
+# Module._call_impl -> the codes of the frames between Module.__call__ and forward.
+_BETWEEN_CODES: dict[object, frozenset[CodeType]] = {}
 # (code object, offset of the CALL) -> _Site, or None when the weights may be read.
 _VERDICTS: dict[tuple[CodeType, int], _Site | None] = {}
 
@@ -122,14 +122,17 @@ def weights_discarded(module: nn.Module, query: object) -> bool:
 
 
 def _tracing(query: object) -> bool:
+    """Whether this call is being traced or transformed.
+
+    ``torch.jit.script`` needs no check: scripted code never runs this Python.
+    """
     return (
-        torch.compiler.is_compiling()
+        torch.compiler.is_compiling()  # first: Dynamo folds it to True and traces nothing below
         or _is_exporting()
-        or torch.jit.is_scripting()
-        or torch.jit.is_tracing()
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace
         or not isinstance(query, Tensor)  # FX proxies and other stand-ins
-        or torch._C._functorch.peek_interpreter_stack() is not None
-        or _current_dispatch_mode() is not None
+        or torch._C._functorch.peek_interpreter_stack() is not None  # vmap, grad, jacrev, ...
+        or torch._C._len_torch_dispatch_stack() > 0  # make_fx, FakeTensorMode, non-strict export
     )
 
 
@@ -138,22 +141,16 @@ def _is_exporting() -> bool:
     return is_exporting is not None and is_exporting()
 
 
-def _current_dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
-
-
 def _torch_call_frames() -> tuple[CodeType, frozenset[CodeType]]:
     """``Module._wrapped_call_impl``'s code, and the codes that run between it and ``forward``."""
-    wrapped = nn.Module._wrapped_call_impl.__code__
-    call_impl = nn.Module._call_impl.__code__  # looked up per call: a library may have replaced it
+    call_impl = nn.Module._call_impl  # looked up per call: a library may have replaced either
     codes = _BETWEEN_CODES.get(call_impl)
     if codes is None:
         # torch >= 2.5 runs hooks and forward in a nested ``inner``; 2.4 runs them in ``_call_impl``.
-        inner = {c for c in call_impl.co_consts if isinstance(c, CodeType) and c.co_name == "inner"}
-        codes = _BETWEEN_CODES[call_impl] = frozenset({call_impl, *inner})
-    return wrapped, codes
+        code = call_impl.__code__
+        inner = {c for c in code.co_consts if isinstance(c, CodeType) and c.co_name == "inner"}
+        codes = _BETWEEN_CODES[call_impl] = frozenset({code, *inner})
+    return nn.Module._wrapped_call_impl.__code__, codes
 
 
 def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
@@ -169,9 +166,6 @@ def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
     caller = below.f_back
     if caller is None:
         return None
-    received = below.f_locals  # Module.__call__(self, *args, **kwargs) as the caller invoked it
-    if received.get("self") is not module:
-        return None
     key = (caller.f_code, caller.f_lasti)
     try:
         site = _VERDICTS[key]
@@ -182,8 +176,9 @@ def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
         _VERDICTS[key] = site
     if site is None:
         return None
+    received = below.f_locals  # Module.__call__(self, *args, **kwargs) as the caller invoked it
     args, kwargs = received.get("args"), received.get("kwargs")
-    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+    if received.get("self") is not module or not isinstance(args, tuple) or not isinstance(kwargs, dict):
         return None
     if len(args) != site.positional or tuple(kwargs) != site.keywords:  # a C callable in between
         return None
@@ -192,13 +187,12 @@ def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
 
 def _outputs_observed(module: nn.Module) -> bool:
     """Whether a hook will see the returned tuple (a forward hook reading the weights, for one)."""
-    forward_hooks = _torch_module._global_forward_hooks
-    others = [hook_id for hook_id in forward_hooks if hook_id not in _AUDIT.hook_ids]
+    global_forward = _torch_module._global_forward_hooks
     return bool(
         module._forward_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-        or others
+        or (global_forward and global_forward.keys() - _AUDIT.hook_ids)
         or _torch_module._global_backward_hooks
         or _torch_module._global_backward_pre_hooks
     )
@@ -354,7 +348,7 @@ def _audit_hook(module: nn.Module, args: tuple, output: object) -> None:
     # Stock's class is slim's base: stock and slim modules alike (and the patched class).
     if not isinstance(module, _STOCK) or not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
         return
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if _tracing(output[0]):
         return
     caller = _discarding_caller(sys._getframe(0), module)
     if caller is None:
