@@ -307,7 +307,19 @@ def test_a_case_expected_to_exceed_the_memory_cap_runs_to_record_its_oom():
     settings = Settings(case_budget_s=10, memory_cap_bytes=5_000_000)
     result = scale.run_sweep([STOCK_INFERENCE], [1000, 2000, 4000], settings, run_case=run_case)
     assert calls == [1000, 2000, 4000]  # 4000 is extrapolated to 16 s, but to 16 MB > the 5 MB cap
+    assert result["cases"][-1]["status"] == "oom"
     assert result["stops"] == {"stock point-cloud inference": "OOM at N=4,000"}
+
+
+def test_memory_is_extrapolated_quadratically_even_where_fixed_costs_flatten_it():
+    """Stock measured at +36 MiB (1k) and +1,031 MiB (8k) has a local slope of 1.6, which predicts
+    9.5 GiB at 32k; its N x N scores need 16 GiB there. The upper bound, 16.1 GiB, exceeds a 10 GiB cap."""
+    measured = [{"tokens": 1024, "time_s": 0.45, "peak_bytes": 36 << 20}, {"tokens": 8192, "time_s": 11.9, "peak_bytes": 1031 << 20}]
+    settings = Settings(case_budget_s=30, memory_cap_bytes=10 << 30)
+    assert scale._over_time_budget(measured, 32768, settings) is None  # run it: it is expected to fail at once
+    assert scale._over_time_budget(measured, 32768, Settings(case_budget_s=30, memory_cap_bytes=20 << 30)) == (
+        "stopped before N=32,768: extrapolated 106 s > case budget 30 s"
+    )
 
 
 def test_leading_curves_run_over_every_n_first():

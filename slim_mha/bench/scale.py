@@ -304,12 +304,16 @@ def _extrapolated(points: list[tuple[int, float]], tokens: int) -> float | None:
 def _over_time_budget(measured: list[dict], tokens: int, settings: Settings) -> str | None:
     """Why the curve should stop before ``tokens`` for time, or ``None``.
 
-    A case extrapolated to need more memory than the cap is run all the same: it fails at its first
-    large allocation, at once, and that failure is the point the sweep is there to record.
+    A case that may need more memory than the cap (its peak grown quadratically from the last point)
+    is run all the same: it fails at its first large allocation, at once, and that failure is the
+    point the sweep is there to record.
     """
     if not measured:
         return None
-    memory = _extrapolated([(r["tokens"], r["peak_bytes"] or 0) for r in measured], tokens)
+    # Quadratic from the last point: an upper bound (the scores are N x N at most), where the local
+    # slope would underestimate, as fixed costs flatten the small-N end of stock's curve.
+    last_peak = measured[-1]["peak_bytes"] or 0
+    memory = last_peak * (tokens / measured[-1]["tokens"]) ** 2
     if settings.memory_cap_bytes is not None and memory is not None and memory > settings.memory_cap_bytes:
         return None
     last = measured[-1]
