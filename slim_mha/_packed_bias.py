@@ -16,7 +16,8 @@ would (with ``add_bias_kv`` it changes the function relative to ``bias_k``, as i
 
 Aliasing can break: ``p.data = new`` on a parameter, casts and moves (``_apply``),
 ``functional_call`` and ``vmap`` passing other tensors, FSDP re-pointing parameters, or
-``in_proj_bias.data = new``. So every use *verifies* it (the registered objects, views of the packed
+``in_proj_bias.data = new`` (which the parameters take in at once, see :class:`PackedParameter`).
+So every use *verifies* it (the registered objects, views of the packed
 memory at the right offsets, one dtype) and otherwise builds the bias from the parameters as they
 are at that moment. Aliasing is re-made only where the module owns its parameters (construction,
 ``_apply``, loading, assignment, reading ``in_proj_bias``), never while a trace, ``torch.compile``
@@ -31,6 +32,7 @@ import weakref
 import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["STATE_KEY", "assign", "create", "fused_bias", "is_transforming", "set_middle", "stock_view", "sync"]
 
@@ -42,15 +44,42 @@ _PARTS = ("q_proj_bias", "k_proj_bias", "v_proj_bias")  # the order of the packe
 _LOADED_FLAGS = ("_is_hf_initialized",)
 
 
+_set_data = torch._C.TensorBase.data.__set__  # re-point a tensor without our notification
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # packed tensor -> weakref to its module
+
+
+class PackedParameter(Parameter):
+    """The ``in_proj_bias`` object: ``.data = new`` on it is taken in by the bias parameters at once.
+
+    open_clip's ``t.data = t.data.to(torch.bfloat16)`` re-points the object it read; the module
+    is told right away (outside traces and transforms), so no forward, compiled or not, ever sees
+    the parameters and the packed view disagree. The forward still verifies, as for every change.
+    """
+
+    @property
+    def data(self) -> Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        _set_data(self, value)
+        owner = _OWNERS.get(self)
+        module = owner() if owner is not None else None
+        if module is not None and not is_transforming():
+            sync(module)
+
+
 class PackedBias:
     """The packed tensor and what it was last verified against."""
 
     __slots__ = ("packed", "parts", "address", "itemsize", "dtype", "requires_grad", "hooked")
 
-    def __init__(self, packed: Tensor, parts: tuple) -> None:
+    def __init__(self, module, packed: Tensor, parts: tuple) -> None:
         self.packed = packed
         self.hooked = False
         self.record(parts)
+        if isinstance(packed, PackedParameter):
+            _OWNERS[packed] = weakref.ref(module)
 
     def record(self, parts: tuple) -> None:
         self.parts = parts
@@ -76,7 +105,7 @@ def create(module, *, bias: bool, keep_key: bool, factory: dict) -> None:
             module.register_parameter(name, None)
         return
     # A Parameter (unregistered), as stock's in_proj_bias is one: isinstance checks keep passing.
-    _register_views(module, Parameter(torch.zeros(3 * module.embed_dim, **factory)), keep_key, True)
+    _register_views(module, PackedParameter(torch.zeros(3 * module.embed_dim, **factory)), keep_key, True)
 
 
 def assign(module, value: Tensor, *, keep_key: bool) -> None:
@@ -100,7 +129,7 @@ def _register_views(module, packed: Tensor, keep_key: bool, requires_grad: bool)
     for index, name in enumerate(_PARTS):
         view = data[index * E : (index + 1) * E]
         module.register_parameter(name, Parameter(view, requires_grad=requires_grad) if present[index] else None)
-    module.__dict__[_STATE] = PackedBias(packed, _current_parts(module))
+    module.__dict__[_STATE] = PackedBias(module, packed, _current_parts(module))
 
 
 def fused_bias(module) -> Tensor | None:
@@ -198,7 +227,13 @@ def set_middle(module, value: Tensor | None) -> None:
 
 
 def _current_parts(module) -> tuple:
-    return module.q_proj_bias, module.k_proj_bias, module.v_proj_bias
+    # Straight from the registry (functional_call swaps tensors there too); a parametrized module
+    # has moved them out, so fall back to attribute access, which computes them.
+    parameters = module._parameters
+    try:
+        return parameters["q_proj_bias"], parameters["k_proj_bias"], parameters["v_proj_bias"]
+    except KeyError:
+        return module.q_proj_bias, module.k_proj_bias, module.v_proj_bias
 
 
 def _absent(parts: tuple) -> bool:
@@ -278,10 +313,11 @@ def _realias(module, state: PackedBias | None, parts: tuple) -> None:
     try:
         if state is None:
             raise RuntimeError("no packed tensor yet")
-        state.packed.data = data  # the same object: in_proj_bias handed out earlier stays the view
+        _set_data(state.packed, data)  # the same object: in_proj_bias handed out earlier stays the view
     except RuntimeError:  # none yet, or one that cannot take this data (meta to real memory)
         requires_grad = any(p is not None and p.requires_grad for p in parts)
-        state = module.__dict__[_STATE] = PackedBias(Parameter(data, requires_grad=requires_grad), parts)
+        packed = PackedParameter(data, requires_grad=requires_grad)
+        state = module.__dict__[_STATE] = PackedBias(module, packed, parts)
     for index, part in enumerate(parts):
         if part is not None:
             part.data = data[index * E : (index + 1) * E]
@@ -298,7 +334,7 @@ def _adopt_packed(module, state: PackedBias, parts: tuple) -> None:
             "= 3*embed_dim"
         )
     if not packed.is_contiguous():
-        packed.data = packed.data.contiguous()
+        _set_data(packed, packed.detach().contiguous())
     data = packed.detach()
     for index, part in enumerate(parts):
         if part is not None:

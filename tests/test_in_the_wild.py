@@ -232,6 +232,18 @@ def test_open_clip_style_conversion_then_move_keeps_the_function():
     assert_same(stock, slim, "after", dtype=torch.float64)
 
 
+def test_in_proj_bias_data_assignment_right_before_compile():
+    """The re-pointing is taken in when it happens: the compiled forward never runs eagerly first."""
+    stock, slim = stock_and_slim()
+    new_bias = torch.linspace(-2.0, 2.0, 3 * E)
+    for module in (stock, slim):
+        module.in_proj_bias.data = new_bias.clone()
+    query, key, value = inputs(stock)
+    with torch.no_grad():
+        compiled = torch.compile(slim, backend="eager", fullgraph=True)
+        assert_close_scaled(compiled(query, key, value)[0], stock(query, key, value)[0], "compiled")
+
+
 def test_requires_grad_on_in_proj_bias_freezes_the_biases_as_stock():
     stock, slim = stock_and_slim()
     stock.in_proj_bias.requires_grad_(False), slim.in_proj_bias.requires_grad_(False)
