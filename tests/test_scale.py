@@ -293,6 +293,10 @@ def test_curves_stop_on_failure_case_budget_and_extrapolation():
     assert calls == [("slim", 1000)]
     assert result["stops"] == {"slim point-cloud inference": "stopped after N=1,000: it took 10 s > case budget 5 s"}
 
+    run_case, calls = fake_case(1e-6)  # one point predicts nothing: 1k took 1 s, 8k (64 s if quadratic) runs
+    scale.run_sweep([SLIM_INFERENCE], [1000, 8000], Settings(case_budget_s=10), run_case=run_case)
+    assert calls == [("slim", 1000), ("slim", 8000)]
+
 
 def test_a_case_expected_to_exceed_the_memory_cap_runs_to_record_its_oom():
     """Stock's N x N scores make its time quadratic too, but the case past the cap fails at once."""

@@ -319,7 +319,9 @@ def _over_time_budget(measured: list[dict], tokens: int, settings: Settings) -> 
     last = measured[-1]
     if last["time_s"] > settings.case_budget_s:
         return f"stopped after N={last['tokens']:,}: it took {last['time_s']:.0f} s > case budget {settings.case_budget_s:.0f} s"
-    predicted = _extrapolated([(r["tokens"], r["time_s"]) for r in measured], tokens)
+    # From two points at least: a single small-N time is mostly fixed costs, and squaring it from
+    # there would stop curves that have minutes to go (the case timeout still bounds a wrong guess).
+    predicted = _extrapolated([(r["tokens"], r["time_s"]) for r in measured], tokens) if len(measured) >= 2 else None
     if predicted is not None and predicted > settings.case_budget_s:
         return f"stopped before N={tokens:,}: extrapolated {predicted:.0f} s > case budget {settings.case_budget_s:.0f} s"
     return None
