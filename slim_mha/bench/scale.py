@@ -466,10 +466,13 @@ def format_markdown(payload: dict) -> str:
         lines.append("* none: no N was run by both")
     for (shape, mode, masked), (n, stock, slim) in common.items():
         lines.append(f"* {shape} {mode}{' +mask' if masked else ''}, N={n:,}: stock +{_mib(stock)}, slim +{_mib(slim)}"
-                     + (f" ({stock / slim:,.0f}x less)" if stock and slim else ""))
+                     + (f" ({stock / slim:,.1f}x less)" if stock and slim else ""))
     lines += ["", "Largest N each contender ran, and why its curve stopped:", ""]
+    unrun = {r["name"]: r["tokens"] for r in reversed(cases) if "sweep budget" in r.get("detail", "")}
     for name, largest in largest_handled(cases).items():
-        reason = payload["stops"].get(name, "ran every N")
+        reason = payload["stops"].get(name) or (
+            f"the sweep budget was spent before N={unrun[name]:,}" if name in unrun else "ran every N"
+        )
         lines.append(f"* {name}: {'none' if largest is None else f'{largest:,}'} ({reason})")
     lines += [f"* note: {note}" for note in payload.get("notes", [])]
     return "\n".join(lines)
@@ -518,6 +521,8 @@ def plot_scale(payload: dict, path: Path) -> str:
                          marker="s" if series["padding_mask"] else "o",
                          markerfacecolor="none" if series["padding_mask"] else None)
             ok = [r for r in records if r["status"] == "ok"]
+            if not ok and not any(r["status"] in ("oom", "killed", "timeout") for r in records):
+                continue  # never ran: no legend entry
             label = f"{series['contender']} {series['shape']}{' +mask' if series['padding_mask'] else ''}"
             time_axis.plot([r["tokens"] for r in ok], [r["time_s"] for r in ok], label=label, **style)
             memory = [(r["tokens"], r["peak_bytes"] / 2**20) for r in ok if r.get("peak_bytes")]
