@@ -80,6 +80,24 @@ def in_place_on_every_parameter(update):
 # ----------------------------------------------------------------- updates that bump no version
 
 
+def test_no_graph_forward_uses_the_packed_tensor_itself_and_a_graph_uses_the_parameters():
+    """No per-call work without a graph (the bias is the in_proj_bias object); with one, a cat."""
+    from slim_mha import _packed_bias
+
+    _, slim = stock_and_slim()
+    with torch.no_grad():
+        assert _packed_bias.fused_bias(slim) is slim.in_proj_bias
+    with_graph = _packed_bias.fused_bias(slim)
+    assert with_graph is not slim.in_proj_bias and with_graph.grad_fn is not None
+    new_q = torch.randn(E)
+    slim.q_proj_bias.data = new_q.clone()  # aliasing broken: the parameters are the truth
+    with torch.no_grad():
+        fused = _packed_bias.fused_bias(slim)
+        assert torch.equal(fused, torch.cat([new_q, torch.zeros(E), slim.v_proj_bias]))
+        assert _packed_bias.fused_bias(slim) is not fused  # computed per call, nothing kept
+
+
+
 @pytest.mark.parametrize("name", ["bias", "zero_attn", "kdim_vdim"])
 @pytest.mark.parametrize(
     "idiom",
