@@ -413,6 +413,21 @@ def test_vmap_over_inputs(need_weights):
     assert_close_scaled(run(slim), run(stock), "vmap with grad")
 
 
+@pytest.mark.parametrize("average", [True, False])
+def test_vmap_with_weights_over_large_scores(average):
+    """Scores above the explicit path's large-size threshold (its no-graph, buffer-reusing branch)."""
+    stock, slim = stock_and_slim()
+    batches = torch.randn(2, 300, 1, E)  # (300 x 300) scores x 4 heads x 4 bytes > 1 MiB per example
+
+    def run(module):
+        return torch.func.vmap(lambda x: module(x, x, x, average_attn_weights=average))(batches)
+
+    with torch.no_grad():
+        (out, weights), (expected, expected_weights) = run(slim), run(stock)
+    assert_close_scaled(out, expected, "vmap output")
+    assert_close_scaled(weights, expected_weights, "vmap weights")
+
+
 def test_vmap_ensembling_with_stack_module_state_and_functional_call():
     """torch.func's model-ensembling recipe, with the default need_weights=True."""
     pairs = [stock_and_slim(seed=seed) for seed in range(3)]
