@@ -331,7 +331,7 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     dtypes = {result["case"]["dtype"] for result in results}
     positions = list(range(count))
     figure, (speed, memory) = plt.subplots(
-        2, 1, figsize=(max(10.0, min(0.5 * count, 48.0)), 9.0), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+        2, 1, figsize=(max(13.0, min(0.5 * count + 4.0, 52.0)), 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     for mode, colour in _MODE_COLOURS.items():
         chosen = [index for index, result in enumerate(results) if result["case"]["mode"] == mode]
@@ -350,16 +350,18 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     speed.set_ylabel("stock time / slim time (above 1: slim faster)")
     speed.set_title(f"slim against stock over {count} cases (IQR bars)")
     speed.grid(axis="y", alpha=0.3)
-    speed.legend(title=_LEGEND_TITLE, fontsize=8, title_fontsize=8, loc="best")
+    speed.legend(title=_LEGEND_TITLE.replace("; ", "\n"), fontsize=8, title_fontsize=8, loc="upper left",
+                 bbox_to_anchor=(1.01, 1.0))
 
     bar = 0.27
-    for offset, (name, colour) in zip((-bar, 0.0, bar), (("stock", "0.55"), ("slim", "C0"), ("floor", "C7"))):
+    styles = {"stock": {"color": "0.55"}, "slim": {"color": "C0"}, "floor": {"color": "white", "edgecolor": "0.3", "hatch": "//"}}
+    for offset, (name, style) in zip((-bar, 0.0, bar), styles.items()):
         peaks = [result["memory"][name]["peak_bytes"] / _MIB for result in results]
-        memory.bar([index + offset for index in positions], peaks, width=bar, color=colour, label=f"{name} peak")
+        memory.bar([index + offset for index in positions], peaks, width=bar, label=f"{name} peak", **style)
     memory.set_ylabel("peak memory above the inputs (MiB)")
     memory.set_yscale("log")
     memory.grid(axis="y", alpha=0.3)
-    memory.legend(fontsize=8, loc="upper left")
+    memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     labels = [
         f"{result['case']['mode']} {result['case']['attention']}{' w' if result['case']['need_weights'] else ''}\n"
         f"B={result['case']['batch']} L={result['case']['seq_len']}\nE={result['case']['embed_dim']} "
