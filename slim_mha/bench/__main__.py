@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slim-mha-bench",
         description=(
-            "Time SlimMultiheadAttention against stock nn.MultiheadAttention (same weights and inputs) "
-            "and against the bare floor (projection matmul + scaled_dot_product_attention + output "
+            "Time SlimMultiheadAttention against stock nn.MultiheadAttention (same weights and inputs)\n"
+            "and against the bare floor (projection matmul + scaled_dot_product_attention + output\n"
             "matmul), interleaved in one run; report median and spread, ratios, peak and saved memory."
         ),
         epilog=_EXAMPLES,
