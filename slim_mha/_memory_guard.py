@@ -33,8 +33,8 @@ an unknown limit never refuses a call.
 
 **Cost.** Below :data:`_CHECK_ABOVE_BYTES` the check is one flag read and a few integer
 multiplications; the limits are read only for requests large enough that computing them takes
-tens of milliseconds or more. Under ``torch.compile``/``torch.export`` tracing (shapes may be
-symbolic and nothing is allocated) and for meta tensors and tensor subclasses it does nothing.
+tens of milliseconds or more. Under ``torch.compile``/``torch.export``/``torch.jit.trace`` tracing
+(sizes may be symbolic or recorded) and for meta tensors and tensor subclasses it does nothing.
 
 **The error** is ``torch.OutOfMemoryError``, a ``RuntimeError``: stock's failure here is the
 allocator's ``RuntimeError`` on CPU and ``torch.OutOfMemoryError`` on CUDA, so handlers written for
@@ -62,7 +62,7 @@ def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: 
 
     ``src_len`` is the number of keys (appended ``bias_k``/zero-attention tokens included).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # symbolic or recorded sizes: no allocation here
         return
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
     if 2 * head_maps < _CHECK_ABOVE_BYTES:  # 2 x (B, H, L, S) bounds every case below
@@ -72,7 +72,7 @@ def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: 
 
 
 def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, *, average: bool, records_graph: bool) -> None:
-    if type(q) is not Tensor or q.device.type not in ("cpu", "cuda") or torch.jit.is_tracing():
+    if type(q) is not Tensor or q.device.type not in ("cpu", "cuda"):
         return  # fake, meta and subclass tensors allocate elsewhere or not at all
     dtype = q.dtype
     if torch.is_autocast_enabled(q.device.type):  # matmuls may produce a narrower dtype than q's

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -141,6 +142,18 @@ def test_guard_is_skipped_while_exporting(monkeypatch, strict):
     program = torch.export.export(slim, (x, x, x), strict=strict)
     monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 1 << 28)
     assert_close_scaled(program.module()(x, x, x)[1], slim(x, x, x)[1], "weights")
+
+
+def test_guard_adds_nothing_to_a_jit_trace():
+    """Under torch.jit.trace sizes are recorded values: comparing them would warn and bake in a constant."""
+    slim, _ = slim_and_stock()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(slim, (x, x, x), check_trace=False)
+        weights, expected = traced(x, x, x)[1], slim(x, x, x)[1]
+    assert [str(w.message) for w in caught if "_memory_guard" in w.filename] == []
+    assert_close_scaled(weights, expected, "weights")
 
 
 _UNDER_ADDRESS_SPACE_CAP = textwrap.dedent(
