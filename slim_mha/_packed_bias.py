@@ -176,8 +176,14 @@ def stock_view(module) -> Tensor | None:
     return _concatenate(module, module.__dict__.get(_STATE), parts)
 
 
-def sync(module) -> Tensor | None:
+def sync(module, *, take_new_parameters: bool = False) -> Tensor | None:
     """Make the parameters views of the packed tensor again, if needed and allowed; return it or None.
+
+    Only the parameter objects aliased before are re-pointed, unless ``take_new_parameters``
+    (construction-like places that own what they register: ``_apply``, loading). Parameter objects
+    registered by others may have memory someone else manages: FSDP2 registers its unsharded
+    parameters with ``setattr`` and later refills their memory, so re-pointing them would freeze
+    them at stale values. Such parameters stay where they are; the forward builds the bias from them.
 
     Resolves who changed since the last check: if only ``in_proj_bias`` got new data, the parameters
     take it; if only parameters did, the packed tensor is rebuilt from them (same object, new
@@ -197,7 +203,9 @@ def sync(module) -> Tensor | None:
                 "last in sync, so neither can be taken as the truth: assign the new values through one "
                 "of them only (e.g. module.q_proj_bias.data = ...)"
             )
-        elif _can_alias(module, parts):
+        elif (take_new_parameters or (state is not None and _same_objects(parts, state.parts))) and _can_alias(
+            module, parts, take_new_parameters
+        ):
             _realias(module, state, parts)
         else:
             return None
@@ -282,7 +290,7 @@ def _differs_in_dtype_or_device(packed: Tensor, parts: tuple) -> bool:
     return packed.dtype != reference.dtype or packed.device != reference.device
 
 
-def _can_alias(module, parts: tuple) -> bool:
+def _can_alias(module, parts: tuple, owned: bool = False) -> bool:
     E = module.embed_dim
     reference = _first_present(parts)
     for name, part in zip(_PARTS, parts):
@@ -294,7 +302,23 @@ def _can_alias(module, parts: tuple) -> bool:
             return False
         if part.dtype != reference.dtype or part.device != reference.device:
             return False
+        if not owned and not _owns_its_memory(part, module.__dict__.get(_STATE)):
+            return False
     return True
+
+
+def _owns_its_memory(part: Tensor, state: PackedBias | None) -> bool:
+    """Whether re-pointing ``part.data`` can hurt nobody: its memory is its own, or already ours.
+
+    A parameter that views a larger buffer belongs to whoever manages that buffer: FSDP's
+    all-gather output (it refills the buffer and expects the parameter to show it), a flat
+    parameter, ``vector_to_parameters``' vector. Those are left where they are; the forward then
+    builds the bias from them on every call.
+    """
+    storage = part.untyped_storage()
+    if state is not None and storage.data_ptr() == state.packed.untyped_storage().data_ptr():
+        return True
+    return part.storage_offset() == 0 and storage.nbytes() == part.numel() * part.element_size()
 
 
 def _realias(module, state: PackedBias | None, parts: tuple) -> None:

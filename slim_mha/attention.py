@@ -187,8 +187,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             self._assign_in_proj_bias(value)
             return
         super().__setattr__(name, value)
-        if name in _SPLIT_BIASES and (value is None or isinstance(value, Parameter)):
-            _packed_bias.sync(self)  # a new bias parameter becomes a view of the packed tensor
 
     def _assign_in_proj_bias(self, value: Tensor | None) -> None:
         if value is not None and not isinstance(value, Parameter):
@@ -235,7 +233,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        _packed_bias.sync(self)
+        _packed_bias.sync(self, take_new_parameters=True)  # assign=True registers new objects
         if zero_middle:
             _packed_bias.set_middle(self, None)
         if own_bias_k is not None:
@@ -274,7 +272,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # first, and make them views of one packed tensor again afterwards.
         _packed_bias.sync(self)
         result = super()._apply(fn, recurse)
-        _packed_bias.sync(self)
+        _packed_bias.sync(self, take_new_parameters=True)
         return result
 
     def __getstate__(self):
@@ -286,7 +284,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         if "_parameters" in self.__dict__:
-            _packed_bias.sync(self)
+            _packed_bias.sync(self, take_new_parameters=True)
 
     def __prepare_scriptable__(self) -> nn.MultiheadAttention:
         """``torch.jit.script`` compiles the equivalent stock module (see :func:`slim_mha.to_stock`)."""

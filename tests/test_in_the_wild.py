@@ -138,7 +138,15 @@ def test_vector_to_parameters_repoints_every_parameter(name):
         vector = parameters_to_vector(module.parameters())
         vector_to_parameters(vector * 0.5, module.parameters())  # p.data = slice of a new vector
     assert_same(stock, slim, "after vector_to_parameters")
-    with torch.no_grad():  # and in-place writes after the re-pointing are seen too
+    # The parameters now view one vector that slim does not own: they stay there (not re-pointed),
+    # and the forward builds the bias from them.
+    assert slim.q_proj_bias.data_ptr() != slim.in_proj_bias.data_ptr()
+    with torch.no_grad():
+        stock.in_proj_bias[:E].add_(0.25), slim.q_proj_bias.add_(0.25)
+    assert_same(stock, slim, "after a write to the parameter")
+    for module in (stock, slim):
+        module.float()  # a cast gives each parameter memory of its own: aliased again
+    with torch.no_grad():
         stock.in_proj_bias.add_(0.25), slim.in_proj_bias.add_(0.25)
     assert_same(stock, slim, "after a write through in_proj_bias")
 
