@@ -176,11 +176,12 @@ def stock_view(module) -> Tensor | None:
     return _concatenate(module, module.__dict__.get(_STATE), parts)
 
 
-def sync(module, *, take_new_parameters: bool = False) -> Tensor | None:
+def sync(module, *, take_new_parameters: bool = False, owned: bool = False) -> Tensor | None:
     """Make the parameters views of the packed tensor again, if needed and allowed; return it or None.
 
-    Only the parameter objects aliased before are re-pointed, unless ``take_new_parameters``
-    (construction-like places that own what they register: ``_apply``, loading). Parameter objects
+    Only the parameter objects aliased before are re-pointed, unless ``take_new_parameters``; and
+    only parameters whose memory is their own, unless ``owned`` (places that own what they
+    register: ``_apply``, loading, unpickling). Parameter objects
     registered by others may have memory someone else manages: FSDP2 registers its unsharded
     parameters with ``setattr`` and later refills their memory, so re-pointing them would freeze
     them at stale values. Such parameters stay where they are; the forward builds the bias from them.
@@ -204,7 +205,7 @@ def sync(module, *, take_new_parameters: bool = False) -> Tensor | None:
                 "of them only (e.g. module.q_proj_bias.data = ...)"
             )
         elif (take_new_parameters or (state is not None and _same_objects(parts, state.parts))) and _can_alias(
-            module, parts, take_new_parameters
+            module, parts, owned
         ):
             _realias(module, state, parts)
         else:

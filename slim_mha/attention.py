@@ -233,7 +233,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        _packed_bias.sync(self, take_new_parameters=True)  # assign=True registers new objects
+        _packed_bias.sync(self, take_new_parameters=True, owned=True)  # assign=True registers new objects
         if zero_middle:
             _packed_bias.set_middle(self, None)
         if own_bias_k is not None:
@@ -272,6 +272,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # first, and make them views of one packed tensor again afterwards.
         _packed_bias.sync(self)
         result = super()._apply(fn, recurse)
+        _packed_bias.sync(self, take_new_parameters=True, owned=True)
+        return result
+
+    def train(self, mode: bool = True):
+        # Loaders register new parameter objects with setattr (Hugging Face's from_pretrained, which
+        # ends with eval()): make them views of the packed tensor here, where their memory is theirs.
+        result = super().train(mode)
         _packed_bias.sync(self, take_new_parameters=True)
         return result
 
@@ -284,7 +291,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         if "_parameters" in self.__dict__:
-            _packed_bias.sync(self, take_new_parameters=True)
+            _packed_bias.sync(self, take_new_parameters=True, owned=True)
 
     def __prepare_scriptable__(self) -> nn.MultiheadAttention:
         """``torch.jit.script`` compiles the equivalent stock module (see :func:`slim_mha.to_stock`)."""

@@ -79,6 +79,9 @@ def test_a_migrated_checkpoint_loads_exactly_under_patch(stock_checkpoint, tmp_p
     assert torch.equal(attention.q_proj_bias.detach(), stock.head.attention.in_proj_bias[:32].detach())
     assert torch.equal(attention.in_proj_weight.detach(), stock.head.attention.in_proj_weight.detach())
     assert_close_scaled(pooled(model), pooled(stock), "migrated checkpoint")
+    with torch.no_grad():  # after loading, in_proj_bias is the view of the loaded parameters again
+        attention.in_proj_bias[:32].add_(1.0)
+    assert torch.equal(attention.q_proj_bias.detach(), stock.head.attention.in_proj_bias[:32].detach() + 1.0)
 
 
 def test_a_stock_checkpoint_under_patch_raises_instead_of_zero_biases(stock_checkpoint):
