@@ -431,7 +431,7 @@ def _torch_load(path: Path) -> object:
         detail = next(
             (line for line in lines if "GLOBAL" in line or "Unsupported" in line or "Can only" in line), None
         )
-        if "Weights only load failed" in reason and detail and not detail.startswith("Unsupported operand"):
+        if "Weights only load failed" in reason and detail and "Unsupported operand" not in detail:
             raise ValueError(
                 f"{shown(path)}: refused: the pickle needs more than tensors ({shown(detail)}) and was not "
                 "executed; re-save it from trusted code as torch.save(model.state_dict(), path)"

@@ -146,4 +146,4 @@ def _query_rows_per_block(q: Tensor, src_len: int) -> int:
 
 
 def _functorch_transforms_active() -> bool:
-    return torch._C._are_functorch_transforms_active()
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
