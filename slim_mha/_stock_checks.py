@@ -30,46 +30,39 @@ def is_batched_mha_input(
     Raises ``AssertionError`` with stock's message on any other combination of dimensions.
     """
     if query.dim() == 3:
-        if key.dim() != 3 or value.dim() != 3:
-            raise AssertionError(
-                "For batched (3-D) `query`, expected `key` and `value` to be 3-D"
-                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
-            )
-        if key_padding_mask is not None and key_padding_mask.dim() != 2:
-            raise AssertionError(
-                "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
-                f" but found {key_padding_mask.dim()}-D tensor instead"
-            )
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise AssertionError(
-                "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
-                f" but found {attn_mask.dim()}-D tensor instead"
-            )
+        _check_ranks("batched (3-D)", 3, key, value, key_padding_mask, attn_mask)
         return True
     if query.dim() == 2:
-        if key.dim() != 2 or value.dim() != 2:
-            raise AssertionError(
-                "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
-                f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
-            )
-        if key_padding_mask is not None and key_padding_mask.dim() != 1:
-            raise AssertionError(
-                "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
-                f" but found {key_padding_mask.dim()}-D tensor instead"
-            )
-        if attn_mask is not None:
-            if attn_mask.dim() not in (2, 3):
-                raise AssertionError(
-                    "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
-                    f" but found {attn_mask.dim()}-D tensor instead"
-                )
-            expected_shape = (num_heads, query.shape[0], key.shape[0])
-            if attn_mask.dim() == 3 and attn_mask.shape != expected_shape:
-                raise AssertionError(f"Expected `attn_mask` shape to be {expected_shape} but got {attn_mask.shape}")
+        _check_ranks("unbatched (2-D)", 2, key, value, key_padding_mask, attn_mask)
+        expected_shape = (num_heads, query.shape[0], key.shape[0])
+        if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape != expected_shape:
+            raise AssertionError(f"Expected `attn_mask` shape to be {expected_shape} but got {attn_mask.shape}")
         return False
     raise AssertionError(
         f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
     )
+
+
+def _check_ranks(
+    query_kind: str, rank: int, key: Tensor, value: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None
+) -> None:
+    """The checks stock makes for a ``rank``-D query: key and value of the same rank, a padding mask of
+    one less, an attention mask of 2 or 3. ``query_kind`` is stock's wording, e.g. ``batched (3-D)``."""
+    if key.dim() != rank or value.dim() != rank:
+        raise AssertionError(
+            f"For {query_kind} `query`, expected `key` and `value` to be {rank}-D"
+            f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+        )
+    if key_padding_mask is not None and key_padding_mask.dim() != rank - 1:
+        raise AssertionError(
+            f"For {query_kind} `query`, expected `key_padding_mask` to be `None` or {rank - 1}-D"
+            f" but found {key_padding_mask.dim()}-D tensor instead"
+        )
+    if attn_mask is not None and attn_mask.dim() not in (2, 3):
+        raise AssertionError(
+            f"For {query_kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D"
+            f" but found {attn_mask.dim()}-D tensor instead"
+        )
 
 
 def additive_mask(
