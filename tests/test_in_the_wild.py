@@ -68,6 +68,14 @@ def assert_same(stock, slim, what, dtype=torch.float32, grad_too=True):
             assert_close_scaled(actual_weights, expected_weights, f"{what} weights (grad={grad})")
 
 
+def assert_same_after_writing_in_proj_bias(stock, slim, write):
+    """``write`` in place through each module's ``in_proj_bias`` (slim's is assembled from its parts)."""
+    __tracebackhide__ = True
+    with torch.no_grad():
+        write(stock.in_proj_bias), write(slim.in_proj_bias)
+    assert_same(stock, slim, "after a write through in_proj_bias")
+
+
 def in_place_on_every_parameter(update):
     def apply(module):
         with torch.no_grad():
@@ -146,9 +154,7 @@ def test_vector_to_parameters_repoints_every_parameter(name):
     assert_same(stock, slim, "after a write to the parameter")
     for module in (stock, slim):
         module.float()  # a cast gives each parameter memory of its own: aliased again
-    with torch.no_grad():
-        stock.in_proj_bias.add_(0.25), slim.in_proj_bias.add_(0.25)
-    assert_same(stock, slim, "after a write through in_proj_bias")
+    assert_same_after_writing_in_proj_bias(stock, slim, lambda bias: bias.add_(0.25))
 
 
 def test_data_assignment_on_a_split_parameter_is_seen():
@@ -160,9 +166,7 @@ def test_data_assignment_on_a_split_parameter_is_seen():
     slim.q_proj_bias.data = new_q.clone()
     assert_same(stock, slim, "after q_proj_bias.data = ...")
     assert torch.equal(slim.in_proj_bias[:E].detach(), new_q)  # the read re-aliases
-    with torch.no_grad():
-        stock.in_proj_bias.mul_(2.0), slim.in_proj_bias.mul_(2.0)
-    assert_same(stock, slim, "after a write through in_proj_bias")
+    assert_same_after_writing_in_proj_bias(stock, slim, lambda bias: bias.mul_(2.0))
 
 
 def test_hogwild_updates_from_another_process_are_seen():
@@ -495,9 +499,7 @@ def test_load_state_dict_assign_keeps_in_proj_bias_writable():
     for module in (stock, slim):
         module.load_state_dict(source.state_dict(), assign=True)
     assert_same(stock, slim, "after assign=True")
-    with torch.no_grad():
-        stock.in_proj_bias.mul_(3.0), slim.in_proj_bias.mul_(3.0)
-    assert_same(stock, slim, "after a write through in_proj_bias")
+    assert_same_after_writing_in_proj_bias(stock, slim, lambda bias: bias.mul_(3.0))
 
 
 @pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
