@@ -7,10 +7,21 @@ The four operations mirror the CLI (``slim-mha-migrate`` / ``python -m slim_mha.
     print(format_report(inspect_checkpoint("model.safetensors")))
     report = fold_checkpoint("model.safetensors", "model.slim.safetensors", verify=True)
 
-SRC is a ``.safetensors`` file, a directory with ``model.safetensors.index.json`` (or that index
-file), a directory with one ``model.safetensors``, or a ``.pt``/``.pth``/``.bin`` state dict read with
-``torch.load(weights_only=True)``. The output is safetensors, sharded as the input was. Why each
-conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the arithmetic.
+What is read (SRC, never modified):
+
+- a ``.safetensors`` file;
+- a ``.pt``, ``.pth``, ``.bin`` or ``.ckpt`` file written by ``torch.save``: a state dict, or a
+  checkpoint holding one under ``"state_dict"`` (PyTorch Lightning) or ``"model"``, read with
+  ``torch.load(weights_only=True)``, so a pickle that needs anything but tensors is refused unread;
+- a sharded checkpoint's index, ``model.safetensors.index.json``, ``pytorch_model.bin.index.json`` or
+  any other ``*.index.json``, with its shards (``.safetensors`` or torch files, as above) beside it;
+- a folder holding one of those two indexes, or one ``model.safetensors`` or ``pytorch_model.bin``.
+
+What is written (DST) is always safetensors: a ``.safetensors`` file for a file SRC; for an index or a
+folder, a folder with the same shards as ``.safetensors`` (``pytorch_model-00001-of-00002.bin`` becomes
+``model-00001-of-00002.safetensors``), their ``model.safetensors.index.json``, and the folder's other
+files (``config.json``, tokenizer files...) copied unchanged. Why each conversion is exact is explained
+once, in :mod:`slim_mha.bias`, whose functions do the arithmetic.
 
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
 and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message
@@ -24,8 +35,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from ._migrate import FORMAT_VERSION, inspect_source, migrate
 from .report import MigrationReport, ModuleReport, format_report
+
+# Nothing here imports torch: the CLI imports this package before it can catch a Ctrl-C, so the heavy
+# modules (``._migrate``, and torch with it) are imported on first use, inside the CLI's guard.
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,6 +52,14 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike
+
+
+def __getattr__(name: str):
+    if name == "FORMAT_VERSION":
+        from ._migrate import FORMAT_VERSION
+
+        return FORMAT_VERSION
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def strip_checkpoint(
@@ -78,6 +99,8 @@ def strip_checkpoint(
         progress: show a tqdm bar on stderr: ``None`` decides (a TTY and several shards or a large
             file), ``True`` always, ``False`` never.
     """
+    from ._migrate import migrate
+
     return migrate(
         "strip", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
         verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
@@ -101,6 +124,8 @@ def fold_checkpoint(
     ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` keep ``b_k`` as
     ``k_proj_bias``. The arguments are those of :func:`strip_checkpoint`.
     """
+    from ._migrate import migrate
+
     return migrate(
         "fold", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
         verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
@@ -124,6 +149,8 @@ def to_stock_checkpoint(
     The dropped key bias comes back as a zero slice of ``in_proj_bias`` (and a folded value bias as a
     zero value slice). The arguments are those of :func:`strip_checkpoint`.
     """
+    from ._migrate import migrate
+
     return migrate(
         "to-stock", source, destination, zero_attn=zero_attn, verify=verify, dry_run=dry_run,
         force=force, companions=companions, progress=progress,
@@ -132,4 +159,6 @@ def to_stock_checkpoint(
 
 def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
     """List every attention module with its shapes, its key bias, and what each mode would do to it."""
+    from ._migrate import inspect_source
+
     return inspect_source(source, zero_attn=zero_attn)

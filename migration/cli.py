@@ -147,9 +147,16 @@ def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage) or 128 + N (signal N) and one
     line on stderr."""
-    args = build_parser(prog).parse_args(argv)
-    sub: argparse.ArgumentParser = args.parser
+    # The handlers go in first: torch (seconds to import) is imported by the run itself, inside the
+    # guard below, so a Ctrl-C while it loads is one line too, not a traceback from the import.
     with _Interrupts() as interrupts, cli_spelling(), journal() as record:
+        try:
+            args = build_parser(prog).parse_args(argv)
+        except KeyboardInterrupt:
+            interrupts.armed = False
+            sys.stderr.write(f"{prog}: {_interrupted(record)}\n")
+            sys.exit(128 + interrupts.signal)
+        sub: argparse.ArgumentParser = args.parser
         try:
             report = _run(args)
             if args.command == "inspect" or not args.quiet:

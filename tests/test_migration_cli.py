@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import slim_mha.migration._migrate as migrate_module
 from slim_mha.migration.cli import main
-from _migration_checkpoints import prefixed, save_sharded, stock_attention
+from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 
 PROG = "slim-mha-migrate"
 
@@ -284,6 +286,79 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr == f"{prog} inspect: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
+
+
+# A test-only hook (a sitecustomize.py put on PYTHONPATH, so it ships nowhere): it holds the first
+# import of one module in a sleep and says so, and the test's SIGINT lands inside that import.
+_HOLD_IMPORT = """\
+import pathlib, sys, time
+
+class _HoldImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            pathlib.Path({ready!r}).touch()
+            time.sleep(300)  # the SIGINT interrupts this sleep, inside the import statement
+        return None
+
+sys.meta_path.insert(0, _HoldImport())
+"""
+
+
+def _interrupt_during_import(module: str, command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    hook = cwd.parent / "hook"
+    hook.mkdir()
+    ready = cwd.parent / "ready"
+    (hook / "sitecustomize.py").write_text(_HOLD_IMPORT.format(module=module, ready=str(ready)))
+    environment = _environment()
+    environment["PYTHONPATH"] = os.pathsep.join([str(hook), environment["PYTHONPATH"]])
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=environment)
+    try:
+        deadline = time.monotonic() + 180  # a busy machine
+        while not ready.exists():
+            assert process.poll() is None, f"the run ended before importing {module}: {process.communicate()}"
+            assert time.monotonic() < deadline, f"the run never imported {module}"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        pytest.param("torch", marks=pytest.mark.xfail(
+            strict=True, reason="slim_mha/__init__.py imports torch before any migration code runs")),
+        "safetensors",
+        "slim_mha.migration._migrate",
+    ],
+)
+def test_ctrl_c_during_an_import_is_one_line(tmp_path, module):
+    work = tmp_path / "work"
+    work.mkdir()
+    save_file(prefixed(stock_attention(), "attn."), work / "stock.safetensors")
+    before = tree_digest(work)
+    command = [sys.executable, "-m", "slim_mha.migration", "fold", "stock.safetensors", "out.safetensors"]
+    result = _interrupt_during_import(module, command, work)
+    assert (result.returncode, result.stdout) == (130, "")
+    assert result.stderr == "python -m slim_mha.migration fold: interrupted; nothing was written\n"
+    assert tree_digest(work) == before and os.listdir(work) == ["stock.safetensors"]
+
+
+def test_ctrl_c_during_the_console_scripts_imports_is_one_line(tmp_path):
+    script = shutil.which("slim-mha-migrate", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("slim-mha-migrate is not installed beside this Python")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = _interrupt_during_import("slim_mha.migration._migrate", [script, "inspect", "missing.pt"], work)
+    assert (result.returncode, result.stdout) == (130, "")
+    assert result.stderr == f"{PROG} inspect: interrupted; nothing was written\n"
+    assert os.listdir(work) == []
 
 
 # ------------------------------------------------------------------------------------ truthful messages
