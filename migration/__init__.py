@@ -17,11 +17,14 @@ What is read (SRC, never modified):
   any other ``*.index.json``, with its shards (``.safetensors`` or torch files, as above) beside it;
 - a folder holding one of those two indexes, or one ``model.safetensors`` or ``pytorch_model.bin``.
 
-What is written (DST) is always safetensors: a ``.safetensors`` file for a file SRC; for an index or a
-folder, a folder with the same shards as ``.safetensors`` (``pytorch_model-00001-of-00002.bin`` becomes
-``model-00001-of-00002.safetensors``), their ``model.safetensors.index.json``, and the folder's other
-files (``config.json``, tokenizer files...) copied unchanged. Why each conversion is exact is explained
-once, in :mod:`slim_mha.bias`, whose functions do the arithmetic.
+What is written (DST) is always safetensors: a ``.safetensors`` file for a file SRC. For an index or a
+folder, DST is a folder: each shard is written as ``.safetensors`` under its Hugging Face name
+(``pytorch_model.bin`` becomes ``model.safetensors``, ``pytorch_model-00001-of-00002.bin``
+``model-00001-of-00002.safetensors``, and ``pytorch_model.bin.index.json``
+``model.safetensors.index.json``), and the other files of SRC's folder (``config.json``, tokenizer
+files...; not subfolders, not other weight files) are copied unchanged unless ``companions=False``.
+Why each conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the
+arithmetic.
 
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
 and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message

@@ -27,10 +27,23 @@ PROG = "slim-mha-migrate"
 
 _DESCRIPTION = """\
 Migrate nn.MultiheadAttention checkpoints between the stock layout and slim_mha's, which stores no
-key bias. SRC is a .safetensors file, a directory with model.safetensors.index.json (or that index),
-or a .pt/.pth/.bin state dict (loaded with weights_only=True). The output is safetensors, sharded as
-the input was; a checkpoint folder's other files (config.json, tokenizer files, README...) are copied
-unchanged beside the shards. SRC is never modified, and DST appears complete or not at all."""
+key bias.
+
+SRC, which is read and never modified, is one of:
+  - a .safetensors file;
+  - a .pt, .pth, .bin or .ckpt file written by torch.save: a state dict, or a checkpoint holding one
+    under 'state_dict' (PyTorch Lightning) or 'model'. It is loaded with torch.load(weights_only=True),
+    so a pickle that needs anything but tensors is refused unread;
+  - a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json or any
+    other *.index.json), whose shards, .safetensors or torch files as above, sit beside it;
+  - a folder holding one of those two indexes, or one model.safetensors or pytorch_model.bin.
+
+DST is always safetensors: a .safetensors file for a file SRC. For an index or a folder, DST is a
+folder: each shard is written as .safetensors under its Hugging Face name (pytorch_model.bin becomes
+model.safetensors, pytorch_model-00001-of-00002.bin model-00001-of-00002.safetensors, and
+pytorch_model.bin.index.json model.safetensors.index.json), and the other files of SRC's folder
+(config.json, tokenizer files, README...; not subfolders, not other weight files) are copied
+unchanged unless --no-companions. DST appears complete or not at all."""
 
 _SUBCOMMANDS = {
     "strip": (
@@ -92,7 +105,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             epilog=examples.format(prog=prog),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        sub.add_argument("source", metavar="SRC", help="checkpoint to read")
+        sub.add_argument(
+            "source", metavar="SRC", help="checkpoint to read: a .safetensors, .pt, .pth, .bin or .ckpt file, an "
+            "*.index.json, or a checkpoint folder (the top-level --help says what each may hold)",
+        )
         if name != "inspect":
             sub.add_argument("destination", metavar="DST", help="a .safetensors file, or a directory for a sharded SRC")
             _add_run_options(sub, fold_value=name != "to-stock")

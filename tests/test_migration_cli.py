@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+import slim_mha.migration as migration_package
+import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from slim_mha.migration.cli import main
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
@@ -252,6 +255,42 @@ def test_no_progress_bar_for_a_small_single_file_even_on_a_terminal(tmp_path, st
     monkeypatch.setattr(sys, "stderr", terminal)
     assert run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)[0] == 0
     assert terminal.getvalue() == ""
+
+
+# ------------------------------------------------------------------------------------ help
+
+
+def _readable_names() -> list[str]:
+    """Every input the reader accepts, from the reader's own constants."""
+    return [
+        ".safetensors", *checkpoint_module.TORCH_SUFFIXES, "*.index.json", checkpoint_module.INDEX_NAME,
+        checkpoint_module.TORCH_INDEX_NAME, checkpoint_module.SINGLE_NAME, checkpoint_module.TORCH_SINGLE_NAME,
+        *checkpoint_module._WRAPPERS, "weights_only=True",
+    ]
+
+
+@pytest.mark.parametrize("where", ["help", "docstring"])
+def test_the_help_and_the_docstring_name_every_accepted_format_and_no_other(where, capsys):
+    if where == "help":
+        code, text, err = run(["--help"], capsys)
+        assert (code, err) == (0, "")
+    else:
+        text = migration_package.__doc__.replace("``", "")
+    text = " ".join(text.split())
+    missing = [name for name in _readable_names() if name not in text]
+    assert missing == [], f"the {where} does not name {missing}"
+    # and every file suffix it names is one the reader takes (or .json, of an index)
+    suffixes = set(re.findall(r"(?<![\w*])\.(?:safetensors|json|[a-z]{2,4})\b", text))
+    assert suffixes <= {".safetensors", ".json", *checkpoint_module.TORCH_SUFFIXES}, suffixes
+
+
+@pytest.mark.parametrize("command", ["strip", "fold", "to-stock", "inspect"])
+def test_each_subcommands_help_names_the_input_files(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    source_help = " ".join(out.split()).split("SRC checkpoint to read: ")[1]
+    for suffix in [".safetensors", *checkpoint_module.TORCH_SUFFIXES, "*.index.json", "checkpoint folder"]:
+        assert suffix in source_help
 
 
 # ------------------------------------------------------------------------------------ real processes
