@@ -8,21 +8,34 @@ out-of-memory killer end this process or a neighbour while the pages are written
 user learns nothing about the fix, which is ``need_weights=False``: scaled_dot_product_attention
 never materialises the weights and its memory grows linearly with the number of tokens.
 
-**When to refuse.** :func:`check_weights_fit` compares the least memory any implementation must hold
-at once for the call with the memory this process can get: the weights asked for, and with a graph
-recorded also the scores that softmax reads while it writes them (both are needed for backward).
-Stock ``nn.MultiheadAttention`` holds at least that much (its ``(B, H, L, S)`` scores, then their
-softmax), so a call is refused only when stock would fail too; stock still tries, and fails in the
-allocator or, under overcommit, in the OOM killer:
+**When to refuse.** :func:`check_weights_fit` compares what slim's weights path
+(``slim_mha/_explicit_attention.py``) will hold at once with the memory this process can get. Only
+its tensors that grow with ``L x S`` are counted; the linear ones (projections, output) are left out,
+so the estimate stays a lower bound of the call's need. Each of these paths holds no more than stock
+``nn.MultiheadAttention`` does for the same call, so a call is refused only when stock would fail
+too; stock still tries, and fails in the allocator or, under overcommit, in the OOM killer:
 
-=======================================  =================================  ========================
-call                                     at least (slim's lower bound)      stock holds at least
-=======================================  =================================  ========================
-a graph is recorded (training)           scores and probabilities,          the same
-                                         2 x (B, H, L, S)
-no graph, ``average_attn_weights=True``  the averaged weights, (B, L, S)    (B, H, L, S) scores
-no graph, per-head weights               the weights, (B, H, L, S)          the same
-=======================================  =================================  ========================
+===========================================  ====================================  =====================
+call                                         slim's path holds at once             stock holds at least
+===========================================  ====================================  =====================
+a graph is recorded (training), or a         scores and probabilities,             the same
+``torch.func`` transform                     2 x (B, H, L, S), and with
+                                             ``average_attn_weights`` their
+                                             average, (B, L, S)
+no graph, per-head weights                   the weights, (B, H, L, S)             the same
+no graph, averaged, CUDA (or CPU scores      the scores of every head, softmaxed   (B, H, L, S) scores
+up to ``_CPU_BLOCK_SCORES_BYTES``)           in place, (B, H, L, S), and their     and their average,
+                                             average, (B, L, S)                    (B, L, S)
+no graph, averaged, CPU, larger scores       the averaged weights, (B, L, S), one  the same as above
+                                             block of query rows' scores,
+                                             (B, H, rows, S), and its average,
+                                             (B, rows, S); rows from
+                                             ``_query_rows_per_block``
+===========================================  ====================================  =====================
+
+Attention dropout without a graph (a module in training mode under ``torch.no_grad``) also runs
+the path of the first row, but the guard is not told the dropout probability, so it counts such a
+call as the no-graph path: an underestimate, which can let a call through, never refuse one.
 
 **What the process can get** (:func:`available_bytes`): on CPU, the smallest of the address space
 left under ``RLIMIT_AS``, the headroom under the cgroup's memory limit (v2 ``memory.max`` or v1
@@ -49,7 +62,7 @@ import os
 import torch
 from torch import Tensor
 
-__all__ = ["available_bytes", "check_weights_fit"]
+__all__ = ["available_bytes", "check_weights_fit", "weights_path_bytes"]
 
 # Requests below this are not checked: reading the limits costs tens of microseconds, a rounding
 # error next to writing 256 MiB of scores, and smaller requests are not where memory runs out.
@@ -65,13 +78,38 @@ def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: 
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # symbolic or recorded sizes: no allocation here
         return
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
-    if 2 * head_maps < _CHECK_ABOVE_BYTES:  # 2 x (B, H, L, S) bounds every case below
+    if 2 * head_maps + head_maps // q.size(1) < _CHECK_ABOVE_BYTES:  # the most any path below holds
         return
-    needed = 2 * head_maps if records_graph else (head_maps // q.size(1) if average else head_maps)
-    _refuse_if_too_large(q, src_len, needed, average=average, records_graph=records_graph)
+    needed, what = weights_path_bytes(q, src_len, average=average, records_graph=records_graph)
+    if needed >= _CHECK_ABOVE_BYTES:
+        _refuse_if_too_large(q, src_len, needed, what)
 
 
-def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, *, average: bool, records_graph: bool) -> None:
+def weights_path_bytes(q: Tensor, src_len: int, *, average: bool, records_graph: bool) -> tuple[int, str]:
+    """Bytes of the ``L x S``-sized tensors the weights path holds at once for ``q`` ``(B, H, L, D)``
+    and ``src_len`` keys, in ``q``'s dtype, and what they are (the table in the module's docstring)."""
+    # Imported here: _explicit_attention imports this module while it loads. Its own helpers decide
+    # the path, so the estimate cannot drift from what the path does.
+    from ._explicit_attention import _functorch_transforms_active, _query_rows_per_block
+
+    B, H, L, _ = q.shape
+    S, itemsize = src_len, q.element_size()
+    head_maps, averaged = B * H * L * S * itemsize, B * L * S * itemsize
+    average_text = f"and their average, (B, L, S) = {(B, L, S)}"
+    if records_graph or _functorch_transforms_active():
+        what = f"scores and probabilities, each (B, H, L, S) = {(B, H, L, S)}"
+        return (2 * head_maps + averaged, f"{what}, {average_text}") if average else (2 * head_maps, what)
+    if not average:
+        return head_maps, f"the weights, (B, H, L, S) = {(B, H, L, S)}"
+    rows = _query_rows_per_block(q, S)
+    if rows < L:  # a block's average is written to a temporary, then copied into the weights
+        block = f"one block of scores, (B, H, rows, S) = {(B, H, rows, S)}, and its average"
+        block_bytes = B * (H + 1) * rows * S * itemsize
+        return averaged + block_bytes, f"the averaged weights, (B, L, S) = {(B, L, S)}, {block}"
+    return head_maps + averaged, f"the scores of every head, (B, H, L, S) = {(B, H, L, S)}, {average_text}"
+
+
+def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, what: str) -> None:
     if type(q) is not Tensor or q.device.type not in ("cpu", "cuda"):
         return  # fake, meta and subclass tensors allocate elsewhere or not at all
     dtype = q.dtype
@@ -82,15 +120,8 @@ def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, *, average: bool,
     available, source = available_bytes(q.device)
     if available is None or needed <= available:
         return
-    B, H, L, _ = q.shape
-    if records_graph:
-        what = f"scores and probabilities of shape (B, H, L, S) = {(B, H, L, src_len)}, kept for backward"
-    elif average:
-        what = f"the averaged weights, (B, L, S) = {(B, L, src_len)}"
-    else:
-        what = f"the weights, (B, H, L, S) = {(B, H, L, src_len)}"
     raise torch.OutOfMemoryError(
-        f"need_weights=True: attention weights over {L:,} queries and {src_len:,} keys need at least "
+        f"need_weights=True: attention weights over {q.shape[2]:,} queries and {src_len:,} keys need at least "
         f"{_format_bytes(needed)} ({what}, {str(dtype).removeprefix('torch.')}), more than this process "
         f"can get ({_format_bytes(max(available, 0))}, {source}); pass need_weights=False, which never "
         "materialises them and keeps memory linear in the number of tokens, or attend over fewer tokens"

@@ -200,7 +200,10 @@ def test_refuses_under_rlimit_as_only_where_stock_fails_too():
     assert report["stock 24000"][0] == "RuntimeError" and "can't allocate memory" in report["stock 24000"][1]
     kind, message = report["slim 24000"]
     assert kind == "OutOfMemoryError"
-    assert "need at least 2.1 GiB (the averaged weights, (B, L, S) = (1, 24000, 24000), float32)" in message
+    assert (
+        "need at least 2.2 GiB (the averaged weights, (B, L, S) = (1, 24000, 24000), one block of scores, "
+        "(B, H, rows, S) = (1, 2, 88, 24000), and its average, float32)"
+    ) in message
     assert "the address space left under RLIMIT_AS" in message
 
 

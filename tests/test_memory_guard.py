@@ -1,0 +1,183 @@
+"""The memory guard's estimate is what the weights path allocates, path by path.
+
+``_memory_guard.weights_path_bytes`` counts the ``L x S``-sized tensors each path of
+``slim_mha/_explicit_attention.py`` holds at once. Here every path runs under the CPU allocator's
+profiler and its peak is compared with the estimate; the refusal is then checked at the estimate's
+edge (a limit of exactly the estimate serves the call, one byte less refuses it), and once under a
+real address-space limit that the blocked CPU path fits and full per-head scores would not.
+The guard's other tests (the message, the threshold, tracing, cgroup and meminfo parsing) are in
+tests/test_scale.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha import _memory_guard as guard
+from slim_mha._explicit_attention import _query_rows_per_block
+from slim_mha.bench.memory import profile_step
+
+EMBED_DIM = 8
+# What the estimate leaves out at these sizes: the projections, the output and the bias, a few
+# (1, L, E) and (1, H, L, D) tensors of 70 KB each. One missing (B, L, S) or block term is 3 MB or more.
+LINEAR_SLACK = 1 << 20
+
+# (graph recorded, averaged weights, heads, tokens): one case per row of the guard's table.
+PATHS = {
+    "graph_averaged": (True, True, 2, 1500),
+    "graph_per_head": (True, False, 2, 1500),
+    "per_head": (False, False, 2, 2100),
+    "averaged_in_one_piece": (False, True, 2, 1000),  # scores of 8 MB: one block, as on CUDA
+    "averaged_in_blocks": (False, True, 8, 2100),  # scores of 141 MB: blocks of query rows
+}
+
+
+def slim_and_stock(num_heads: int):
+    stock = randomize_parameters(STOCK_MHA(EMBED_DIM, num_heads, batch_first=True), scale=0.2)
+    slim = SlimMultiheadAttention(EMBED_DIM, num_heads, batch_first=True)
+    slim.load_state_dict(stock.state_dict())
+    return slim, stock
+
+
+def estimate(grad: bool, average: bool, heads: int, tokens: int, device: str = "cpu") -> tuple[int, str]:
+    q = torch.empty(1, heads, tokens, EMBED_DIM // heads, device=device)  # (B, H, L, D)
+    return guard.weights_path_bytes(q, tokens, average=average, records_graph=grad)
+
+
+def test_the_cases_take_the_paths_they_are_named_after():
+    """What the cases below rely on: the blocked case is blocked, the one-piece case is not."""
+    _, _, heads, tokens = PATHS["averaged_in_blocks"]
+    assert _query_rows_per_block(torch.empty(1, heads, tokens, 1), tokens) < tokens
+    _, _, heads, tokens = PATHS["averaged_in_one_piece"]
+    assert _query_rows_per_block(torch.empty(1, heads, tokens, 4), tokens) == tokens
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_estimate_is_the_peak_the_path_reaches(path):
+    grad, average, heads, tokens = PATHS[path]
+    slim, _ = slim_and_stock(heads)
+    x = torch.randn(1, tokens, EMBED_DIM, requires_grad=grad)
+    needed, _ = estimate(grad, average, heads, tokens)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            slim(x, x, x, average_attn_weights=average)
+
+    peak = profile_step(call, torch.device("cpu")).peak_bytes
+    assert needed <= peak <= needed + LINEAR_SLACK, f"estimated {needed:,} bytes, the call's peak was {peak:,}"
+
+
+def test_blocked_averaging_needs_far_less_than_every_head_s_scores():
+    """The point of the blocked path, and what a guard counting (B, H, L, S) would wrongly refuse."""
+    _, _, heads, tokens = PATHS["averaged_in_blocks"]
+    needed, what = estimate(False, True, heads, tokens)
+    every_head = heads * tokens * tokens * 4
+    assert needed < every_head / 3
+    rows = _query_rows_per_block(torch.empty(1, heads, tokens, 1), tokens)
+    assert what == (
+        f"the averaged weights, (B, L, S) = (1, {tokens}, {tokens}), one block of scores, "
+        f"(B, H, rows, S) = (1, {heads}, {rows}, {tokens}), and its average"
+    )
+
+
+def test_off_the_cpu_averaged_weights_count_every_head_s_scores():
+    """CUDA computes all (B, H, L, S) scores in one piece; a meta tensor stands for any device but the CPU."""
+    _, _, heads, tokens = PATHS["averaged_in_blocks"]
+    needed, what = estimate(False, True, heads, tokens, device="meta")
+    assert needed == (heads + 1) * tokens * tokens * 4
+    assert what.startswith(f"the scores of every head, (B, H, L, S) = (1, {heads}, {tokens}, {tokens})")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_call_is_served_at_its_estimate_and_refused_one_byte_below(path, monkeypatch):
+    grad, average, heads, tokens = PATHS[path]
+    slim, stock = slim_and_stock(heads)
+    x = torch.randn(1, tokens, EMBED_DIM, requires_grad=grad)
+    needed, what = estimate(grad, average, heads, tokens)
+    monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # these calls are below the threshold
+
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (needed, "the test's limit"))
+    with torch.set_grad_enabled(grad):
+        out, weights = slim(x, x, x, average_attn_weights=average)
+        expected_out, expected_weights = stock(x, x, x, average_attn_weights=average)
+    assert_close_scaled(out, expected_out)
+    assert_close_scaled(weights, expected_weights, "weights")
+
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (needed - 1, "the test's limit"))
+    with torch.set_grad_enabled(grad), pytest.raises(torch.OutOfMemoryError) as refused:
+        slim(x, x, x, average_attn_weights=average)
+    message = str(refused.value)
+    assert f"need at least {guard._format_bytes(needed)} ({what}, float32)" in message
+    assert "pass need_weights=False" in message
+
+
+_BLOCKED_UNDER_ADDRESS_SPACE_CAP = textwrap.dedent(
+    """
+    import json, resource
+    import torch
+    from torch import nn
+    from slim_mha import SlimMultiheadAttention
+
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), resource.RLIM_INFINITY))  # 2 GiB more
+    torch.manual_seed(0)
+    stock = nn.MultiheadAttention(8, 8, batch_first=True)
+    slim = SlimMultiheadAttention(8, 8, batch_first=True)
+    slim.load_state_dict(stock.state_dict())
+    x = torch.randn(1, 12000, 8)
+    report = {}
+    with torch.no_grad():
+        for name, module in (("stock", stock), ("slim", slim)):
+            try:
+                report[name] = ["ok", module(x, x, x)[1][0, :3].tolist()]
+            except RuntimeError as error:
+                report[name] = [type(error).__name__, str(error).splitlines()[0]]
+        # Each query's row of weights depends on that query alone: stock computes the first three.
+        report["stock, first 3 queries"] = stock(x[:, :3], x, x)[1][0].tolist()
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_blocked_averaging_is_served_under_a_real_limit_that_every_head_s_scores_exceed():
+    """12k tokens, 8 heads, 2 GiB of address space: the averaged weights (576 MB) and one block fit,
+    so the guard lets slim through; stock's (B, H, L, S) scores (4.6 GB) do not, and stock fails."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_UNDER_ADDRESS_SPACE_CAP], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(completed.stdout.splitlines()[-1])
+    assert report["stock"][0] == "RuntimeError" and "can't allocate memory" in report["stock"][1]
+    assert report["slim"][0] == "ok", report["slim"]
+    assert_close_scaled(torch.tensor(report["slim"][1]), torch.tensor(report["stock, first 3 queries"]), "weights")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("path", ["graph_averaged", "per_head", "averaged_in_one_piece"])
+def test_the_estimate_is_the_peak_on_cuda(path):
+    """On CUDA averaged weights come from every head's scores at once, whatever their size."""
+    grad, average, heads, tokens = PATHS[path]
+    device = torch.device("cuda")
+    slim, _ = slim_and_stock(heads)
+    slim.to(device)
+    x = torch.randn(1, tokens, EMBED_DIM, device=device, requires_grad=grad)
+    needed, _ = estimate(grad, average, heads, tokens, device="cuda")
+    with torch.set_grad_enabled(grad):
+        slim(x, x, x, average_attn_weights=average)  # once first: cuBLAS allocates its workspace
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        slim(x, x, x, average_attn_weights=average)
+        torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    assert needed <= peak <= needed + LINEAR_SLACK, f"estimated {needed:,} bytes, the call's peak was {peak:,}"
