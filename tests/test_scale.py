@@ -166,23 +166,36 @@ _UNDER_ADDRESS_SPACE_CAP = textwrap.dedent(
     with open("/proc/self/statm") as statm:
         mapped = int(statm.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), resource.RLIM_INFINITY))  # 2 GiB more
+    heads, token_counts = int(sys.argv[1]), [int(tokens) for tokens in sys.argv[2:]]
     torch.manual_seed(0)
-    stock = nn.MultiheadAttention(8, 2, batch_first=True)
-    slim = SlimMultiheadAttention(8, 2, batch_first=True)
+    stock = nn.MultiheadAttention(8, heads, batch_first=True)
+    slim = SlimMultiheadAttention(8, heads, batch_first=True)
     slim.load_state_dict(stock.state_dict())
     report = {}
-    for tokens in (8700, 24000):
+    for tokens in token_counts:
         x = torch.randn(1, tokens, 8)
-        for name, module in (("stock", stock), ("slim", slim)):
-            try:
-                with torch.no_grad():
+        with torch.no_grad():
+            for name, module in (("stock", stock), ("slim", slim)):
+                try:
                     weights = module(x, x, x)[1]
-                report[f"{name} {tokens}"] = ["ok", weights[0, :3, :3].tolist()]
-            except RuntimeError as error:
-                report[f"{name} {tokens}"] = [type(error).__name__, str(error).splitlines()[0]]
+                    report[f"{name} {tokens}"] = ["ok", weights[0, :3, :3].tolist()]
+                except RuntimeError as error:
+                    report[f"{name} {tokens}"] = [type(error).__name__, str(error).splitlines()[0]]
+            # A row of weights depends on its query alone: stock's first three, where all of them fail
+            report[f"stock {tokens}, 3 queries"] = stock(x[:, :3], x, x)[1][0, :3, :3].tolist()
     print(json.dumps(report))
     """
 )
+
+
+def run_under_address_space_cap(heads: int, *token_counts: int) -> dict:
+    """Stock and slim averaged weights at each token count in a child limited to 2 GiB more address space."""
+    arguments = [str(heads), *map(str, token_counts)]
+    completed = subprocess.run(
+        [sys.executable, "-c", _UNDER_ADDRESS_SPACE_CAP, *arguments], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    return json.loads(completed.stdout.splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
@@ -190,11 +203,7 @@ def test_refuses_under_rlimit_as_only_where_stock_fails_too():
     """Under a 2 GiB address-space cap: 8.7k tokens fit (both serve them; slim's 303 MB of averaged
     weights are above the threshold, so the limits are read), 24k do not (slim needs 2.3 GB, stock
     4x that): stock fails in the allocator, slim with our message naming RLIMIT_AS."""
-    completed = subprocess.run(
-        [sys.executable, "-c", _UNDER_ADDRESS_SPACE_CAP], capture_output=True, text=True, timeout=300
-    )
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    report = json.loads(completed.stdout.splitlines()[-1])
+    report = run_under_address_space_cap(2, 8700, 24000)
     assert report["stock 8700"][0] == report["slim 8700"][0] == "ok"
     torch.testing.assert_close(torch.tensor(report["slim 8700"][1]), torch.tensor(report["stock 8700"][1]))
     assert report["stock 24000"][0] == "RuntimeError" and "can't allocate memory" in report["stock 24000"][1]
@@ -205,6 +214,17 @@ def test_refuses_under_rlimit_as_only_where_stock_fails_too():
         "(B, H, rows, S) = (1, 2, 88, 24000), and its average, float32)"
     ) in message
     assert "the address space left under RLIMIT_AS" in message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_blocked_averaging_is_served_under_a_cap_that_every_head_s_scores_exceed():
+    """12k tokens and 8 heads under the 2 GiB cap: the averaged weights (576 MB) and one block of
+    scores fit, so the guard lets slim through; stock's (B, H, L, S) scores (4.6 GB) do not.
+    (tests/test_memory_guard.py checks the guard's estimate path by path.)"""
+    report = run_under_address_space_cap(8, 12000)
+    assert report["stock 12000"][0] == "RuntimeError" and "can't allocate memory" in report["stock 12000"][1]
+    assert report["slim 12000"][0] == "ok", report["slim 12000"]
+    torch.testing.assert_close(torch.tensor(report["slim 12000"][1]), torch.tensor(report["stock 12000, 3 queries"]))
 
 
 def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):

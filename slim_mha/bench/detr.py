@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..convert import convert
-from .memory import profile_step, saved_tensor_bytes
-from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment
-from .timing import Settings, measure
+from .contenders import Contender, _clear_grads, _inference_step, _training_step, output_error
+from .memory import _profiler_chatter_silenced
+from .report import _mib, _ratio
+from .runner import _load_average, describe_environment, measure_step_memory, time_interleaved
+from .timing import Settings
 
 __all__ = ["DetrStyleDecoderLayer", "DetrShape", "explicit_softmax_calls", "run_detr", "format_detr"]
 
@@ -140,7 +142,7 @@ def explicit_softmax_calls(step: Callable[[], None]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    with _profiler_chatter_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     count = 0
     for event in profiler.events():
@@ -153,99 +155,64 @@ def explicit_softmax_calls(step: Callable[[], None]) -> int:
     return count
 
 
-def _relative_error(expected: Tensor, actual: Tensor) -> float:
-    expected, actual = expected.detach().double(), actual.detach().double()
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def _steps(layers: dict[str, nn.Module], inputs: dict[str, Tensor], mode: str) -> dict[str, tuple]:
-    """Per contender: (step, reset, forward) for the mode."""
-    trains = mode != "inference"
-    steps = {}
+def _contenders(layers: dict[str, nn.Module], inputs: dict[str, Tensor], *, trains: bool) -> dict[str, Contender]:
+    """Each layer as a benchmark contender: the layer's output is what it returns, with no weights."""
+    grad_out = torch.randn_like(inputs["tgt"])
+    contenders = {}
     for name, layer in layers.items():
         layer.train(trains)
         parameters = list(layer.parameters())
 
-        def forward(layer=layer) -> Tensor:
-            return layer(**inputs)
+        def forward(layer=layer) -> tuple[Tensor, None]:
+            return layer(**inputs), None
 
-        if trains:
-            grad_out = torch.randn_like(inputs["tgt"])
-
-            def step(forward=forward, grad_out=grad_out) -> None:
-                forward().backward(grad_out)
-
-            def reset(parameters=parameters) -> None:
-                for parameter in parameters:
-                    parameter.grad = None
-
-        else:
-
-            def step(forward=forward) -> None:
-                with torch.inference_mode():
-                    forward()
-
-            def reset() -> None:
-                pass
-
-        steps[name] = (step, reset, forward)
-    return steps
+        contenders[name] = Contender(
+            name=name,
+            step=_training_step(forward, grad_out) if trains else _inference_step(forward),
+            forward=forward,
+            parameters=parameters,
+            reset=_clear_grads(parameters) if trains else (lambda: None),
+            external=list(inputs.values()),
+        )
+    return contenders
 
 
-def _output_errors(layers: dict[str, nn.Module], steps: dict[str, tuple], *, eval_mode: bool) -> dict[str, float]:
+def _output_errors(layers: dict[str, nn.Module], contenders: dict[str, Contender], *, eval_mode: bool) -> dict:
     """Each slim contender's relative error against stock; in eval when dropout would draw differently."""
     outputs = {}
-    for name, (_, reset, forward) in steps.items():
+    for name, contender in contenders.items():
         training = layers[name].training
         layers[name].train(training and not eval_mode)
-        reset()
+        contender.reset()
         with torch.no_grad():
-            outputs[name] = forward()
+            outputs[name] = contender.forward()
         layers[name].train(training)
-    return {name: _relative_error(outputs["stock"], outputs[name]) for name in CONTENDERS[1:]}
+    return {name: output_error(outputs["stock"], outputs[name]) for name in CONTENDERS[1:]}
 
 
 def run_detr_mode(mode: str, shape: DetrShape, settings: Settings, device: torch.device) -> dict:
     """Correctness, weights-path check, memory and interleaved time of the three contenders in ``mode``."""
     load_before, started = _load_average(), time.perf_counter()
+    trains = mode != "inference"
     layers = build_layers(shape, 0.1 if mode == "train" else 0.0, settings.seed, device)
     inputs = detr_inputs(shape, torch.Generator().manual_seed(settings.seed + 1), device)
-    steps = _steps(layers, inputs, mode)
+    contenders = _contenders(layers, inputs, trains=trains)
 
-    errors = _output_errors(layers, steps, eval_mode=mode == "train")
+    errors = _output_errors(layers, contenders, eval_mode=mode == "train")
 
     memory = {}
-    for name, (step, reset, _) in steps.items():
-        reset()
-        softmax_calls = explicit_softmax_calls(step)
-        reset()
-        profiled = profile_step(step, device)
-        reset()
-        external = list(layers[name].parameters()) + list(inputs.values())
-        saved = saved_tensor_bytes(step, external) if mode != "inference" else None
-        reset()
-        memory[name] = {
-            "peak_bytes": profiled.peak_bytes,
-            "allocated_bytes": profiled.allocated_bytes,
-            "saved_bytes": saved,
-            "explicit_softmax_calls": softmax_calls,
-        }
+    for name, contender in contenders.items():
+        contender.reset()
+        softmax_calls = explicit_softmax_calls(contender.step)
+        step_memory, _ = measure_step_memory(contender, device, trains=trains)
+        memory[name] = {**step_memory, "explicit_softmax_calls": softmax_calls}
 
-    timings = measure({name: (step, reset) for name, (step, reset, _) in steps.items()}, device, settings)
-    samples = {name: timings[name].samples_ms for name in CONTENDERS}
+    pairs = (("slim", "slim_skip"), ("stock", "slim_skip"))
     return {
         "mode": mode,
         "attention_dropout": 0.1 if mode == "train" else 0.0,
         "relative_error": errors,
-        "time": {name: summary.as_dict() for name, summary in timings.items()},
-        "ratios": {
-            "slim_over_slim_skip": _paired_ratio(samples["slim"], samples["slim_skip"]),
-            "stock_over_slim_skip": _paired_ratio(samples["stock"], samples["slim_skip"]),
-        },
-        "ratio_spread": {
-            "slim_over_slim_skip": _paired_quartiles(samples["slim"], samples["slim_skip"]),
-            "stock_over_slim_skip": _paired_quartiles(samples["stock"], samples["slim_skip"]),
-        },
+        **time_interleaved(contenders, device, settings, ratios=pairs, spreads=pairs),
         "memory": memory,
         "load_average": [load_before, _load_average()],
         "elapsed_s": time.perf_counter() - started,
@@ -266,12 +233,7 @@ def run_detr(
 
 
 def _ms(summary: dict) -> str:
-    half_iqr = (summary["q3_ms"] - summary["q1_ms"]) / 2 / summary["median_ms"] * 100
-    return f"{summary['median_ms']:.2f} ±{half_iqr:.0f}%"
-
-
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.1f}"
+    return f"{summary['median_ms']:.2f} ±{summary['iqr_over_median'] * 50:.0f}%"
 
 
 def format_detr(payload: dict) -> str:
@@ -287,16 +249,13 @@ def format_detr(payload: dict) -> str:
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for result in payload["modes"]:
-        times, memory, ratios, spread = result["time"], result["memory"], result["ratios"], result["ratio_spread"]
+        times, memory = result["time"], result["memory"]
         mode = result["mode"] + (f" (attn dropout {result['attention_dropout']})" if result["mode"] == "train" else "")
         lines.append(
             f"| {mode} | {_ms(times['stock'])} | {_ms(times['slim'])} | {_ms(times['slim_skip'])} "
-            f"| {ratios['slim_over_slim_skip']:.2f}x ({spread['slim_over_slim_skip'][0]:.2f}-"
-            f"{spread['slim_over_slim_skip'][1]:.2f}) "
-            f"| {ratios['stock_over_slim_skip']:.2f}x ({spread['stock_over_slim_skip'][0]:.2f}-"
-            f"{spread['stock_over_slim_skip'][1]:.2f}) "
-            f"| {' / '.join(_mib(memory[name]['peak_bytes']) for name in CONTENDERS)} "
-            f"| {' / '.join(_mib(memory[name]['saved_bytes']) for name in CONTENDERS)} "
+            f"| {_ratio(result, 'slim_over_slim_skip')} | {_ratio(result, 'stock_over_slim_skip')} "
+            f"| {' / '.join(_mib(memory[name]['peak_bytes']).strip() for name in CONTENDERS)} "
+            f"| {' / '.join(_mib(memory[name]['saved_bytes']).strip() for name in CONTENDERS)} "
             f"| {' / '.join(str(memory[name]['explicit_softmax_calls']) for name in CONTENDERS)} "
             f"| {result['relative_error']['slim']:.1e} / {result['relative_error']['slim_skip']:.1e} |"
         )

@@ -14,7 +14,7 @@ import torch
 
 from .. import __version__
 from .cases import Case
-from .contenders import CONTENDERS, build_contenders, output_error
+from .contenders import Contender, build_contenders, output_error
 from .memory import (
     adam_state_bytes,
     parameter_bytes,
@@ -25,7 +25,7 @@ from .memory import (
 )
 from .timing import Settings, measure
 
-__all__ = ["TOLERANCE", "describe_environment", "run_case"]
+__all__ = ["TOLERANCE", "describe_environment", "measure_step_memory", "run_case", "time_interleaved"]
 
 # Relative error ‖slim − stock‖ / ‖stock‖ above which a case is flagged: the two compute the same
 # function, so anything past a few roundings of the dtype is a bug, not noise.
@@ -54,8 +54,13 @@ def run_case(
     contenders = build_contenders(case, device, seed=settings.seed, equivariance_every=equivariance_every)
     errors = _relative_errors(case, contenders)
     memory, stock_ops = _measure_memory(case, contenders, device)
-    timings = measure({name: (c.step, c.reset) for name, c in contenders.items()}, device, settings)
-    samples = {name: timings[name].samples_ms for name in CONTENDERS}
+    timed = time_interleaved(
+        contenders,
+        device,
+        settings,
+        ratios=(("stock", "slim"), ("slim", "floor"), ("stock", "floor")),
+        spreads=(("stock", "slim"), ("slim", "floor")),
+    )
     profile = {name: top_ops(c.step, c.reset) for name, c in contenders.items()} if profile_ops else None
     return {
         "case": case.as_dict(),
@@ -64,24 +69,36 @@ def run_case(
         "stock_path": "native fast path" if took_native_fast_path(stock_ops) else "python path",
         "relative_error": errors,
         "agrees": errors["slim"] <= TOLERANCE[case.dtype] and errors["floor"] <= TOLERANCE[case.dtype],
-        "time": {name: summary.as_dict() for name, summary in timings.items()},
-        # Each ratio is the median over repeats of the ratio within one repeat: the contenders of a
-        # repeat ran back to back, so drift and bursts of load from other processes cancel in it.
-        "ratios": {
-            "stock_over_slim": _paired_ratio(samples["stock"], samples["slim"]),
-            "slim_over_floor": _paired_ratio(samples["slim"], samples["floor"]),
-            "stock_over_floor": _paired_ratio(samples["stock"], samples["floor"]),
-        },
-        "ratio_spread": {
-            "stock_over_slim": _paired_quartiles(samples["stock"], samples["slim"]),
-            "slim_over_floor": _paired_quartiles(samples["slim"], samples["floor"]),
-        },
+        **timed,
         "memory": memory,
         "profile": profile,
         # 1-minute load average before and after: above the core count, other processes shared the
         # CPU and the timings are noisier (interleaving keeps the ratios fair, not the spread small).
         "load_average": [load_before, _load_average()],
         "elapsed_s": time.perf_counter() - started,
+    }
+
+
+def time_interleaved(
+    contenders: dict[str, Contender],
+    device: torch.device,
+    settings: Settings,
+    *,
+    ratios: tuple[tuple[str, str], ...],
+    spreads: tuple[tuple[str, str], ...],
+) -> dict:
+    """A result's ``time``, ``ratios`` and ``ratio_spread``: the contenders timed interleaved, and for
+    each ``(a, b)`` pair the ratio ``a_over_b`` (and, for ``spreads``, its quartiles).
+
+    Each ratio is the median over repeats of the ratio within one repeat: the contenders of a
+    repeat ran back to back, so drift and bursts of load from other processes cancel in it.
+    """
+    timings = measure({name: (c.step, c.reset) for name, c in contenders.items()}, device, settings)
+    samples = {name: summary.samples_ms for name, summary in timings.items()}
+    return {
+        "time": {name: summary.as_dict() for name, summary in timings.items()},
+        "ratios": {f"{a}_over_{b}": _paired_ratio(samples[a], samples[b]) for a, b in ratios},
+        "ratio_spread": {f"{a}_over_{b}": _paired_quartiles(samples[a], samples[b]) for a, b in spreads},
     }
 
 
@@ -115,22 +132,32 @@ def _measure_memory(case: Case, contenders: dict, device: torch.device) -> tuple
     """Per contender: peak, allocated and saved bytes, aten calls, parameter and Adam bytes; stock's ops."""
     memory, stock_ops = {}, []
     for name, contender in contenders.items():
-        contender.reset()
-        profiled = profile_step(contender.step, device)
+        step_memory, op_names = measure_step_memory(contender, device, trains=case.trains)
         if name == "stock":
-            stock_ops = profiled.op_names
-        contender.reset()
-        saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if case.trains else None
-        contender.reset()
+            stock_ops = op_names
         memory[name] = {
-            "peak_bytes": profiled.peak_bytes,
-            "allocated_bytes": profiled.allocated_bytes,
-            "aten_calls": profiled.op_calls,
-            "saved_bytes": saved,
+            **step_memory,
             "parameter_bytes": parameter_bytes(contender.parameters),
             "adam_state_bytes": _state_bytes(case, name, contender.parameters),
         }
     return memory, stock_ops
+
+
+def measure_step_memory(contender: Contender, device: torch.device, *, trains: bool) -> tuple[dict, list[str]]:
+    """One contender's step: peak and allocated bytes, aten calls and (training) bytes saved for
+    backward, and the names of the aten ops it ran. Gradients are reset before and after."""
+    contender.reset()
+    profiled = profile_step(contender.step, device)
+    contender.reset()
+    saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if trains else None
+    contender.reset()
+    memory = {
+        "peak_bytes": profiled.peak_bytes,
+        "allocated_bytes": profiled.allocated_bytes,
+        "aten_calls": profiled.op_calls,
+        "saved_bytes": saved,
+    }
+    return memory, profiled.op_names
 
 
 def _load_average() -> float | None:
