@@ -1,0 +1,38 @@
+"""The DETR case of the benchmark (slim_mha/bench/detr.py) at a tiny size: what it prints and records.
+
+Its weights-path counts and its refusal of matrix options are tested in tests/test_unread_weights.py.
+Never timings: only that they were taken, interleaved, with their paired ratios.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slim_mha.bench.detr import CONTENDERS, DetrShape, format_detr, run_detr
+from slim_mha.bench.timing import Settings
+
+TINY = DetrShape(queries=4, memory=9, embed_dim=8, heads=2, batch=2, feedforward=8)
+SETTINGS = Settings(repeats=3, min_repeats=3, warmup=0, min_sample_s=0.0, max_case_s=5.0)
+
+
+def test_a_tiny_run_records_paired_ratios_memory_and_prints_no_profiler_chatter(capfd):
+    payload = run_detr(SETTINGS, torch.device("cpu"), modes=("inference", "train"), shape=TINY)
+    table = format_detr(payload)
+    printed = capfd.readouterr()
+    assert "profiler_start" not in printed.out + printed.err and "USDT" not in printed.out + printed.err
+    for result in payload["modes"]:
+        samples = {name: result["time"][name]["samples_ms"] for name in CONTENDERS}
+        assert all(len(times) == 3 for times in samples.values())  # one sample per repeat, each contender
+        for key, (numerator, denominator) in {
+            "slim_over_slim_skip": ("slim", "slim_skip"),
+            "stock_over_slim_skip": ("stock", "slim_skip"),
+        }.items():
+            ratios = sorted(a / b for a, b in zip(samples[numerator], samples[denominator]))
+            assert result["ratios"][key] == ratios[1]  # the median of the per-repeat ratios
+            assert ratios[0] <= result["ratio_spread"][key][0] <= result["ratio_spread"][key][1] <= ratios[2]
+        for name in CONTENDERS:
+            memory = result["memory"][name]
+            assert memory["peak_bytes"] > 0 and memory["allocated_bytes"] >= memory["peak_bytes"]
+            assert (memory["saved_bytes"] is None) == (result["mode"] == "inference")
+    assert "| inference |" in table and "| train (attn dropout 0.1) |" in table
+    assert "| - / - / - |" in table  # inference saves nothing for backward
