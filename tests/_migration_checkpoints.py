@@ -15,17 +15,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from slim_mha import SlimMultiheadAttention
+from _reference import randomize_parameters as randomize
 
 STOCK_MHA = SlimMultiheadAttention.__base__  # stock even while slim_mha.patched() is active
-
-
-def randomize(module: nn.Module, seed: int = 0, scale: float = 0.5) -> nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * scale
-            parameter.copy_(noise.to(parameter.dtype))
-    return module
 
 
 def stock_attention(

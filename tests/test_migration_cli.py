@@ -18,19 +18,10 @@ from safetensors.torch import load_file, save_file
 import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-from slim_mha.migration.cli import main
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import run_cli
 
 PROG = "slim-mha-migrate"
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main([str(arg) for arg in argv])
-    except SystemExit as exit:
-        code = exit.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -53,7 +44,7 @@ def sharded(tmp_path):
 
 def test_fold_prints_what_it_did(tmp_path, stock_file, capsys):
     out_path = tmp_path / "slim.safetensors"
-    code, out, err = run(["fold", stock_file, out_path], capsys)
+    code, out, err = run_cli(["fold", stock_file, out_path], capsys)
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         f"fold {stock_file} -> {out_path}: 2 of 2 attention modules changed",
@@ -65,7 +56,7 @@ def test_fold_prints_what_it_did(tmp_path, stock_file, capsys):
 
 
 def test_verify_and_dry_run(tmp_path, stock_file, capsys):
-    code, out, err = run(["fold", stock_file, tmp_path / "slim.safetensors", "--verify", "--dry-run"], capsys)
+    code, out, err = run_cli(["fold", stock_file, tmp_path / "slim.safetensors", "--verify", "--dry-run"], capsys)
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[1].startswith("  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k [verified, error ")
@@ -77,7 +68,7 @@ def test_verify_and_dry_run(tmp_path, stock_file, capsys):
 
 
 def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
-    code, out, err = run(["fold", stock_file, tmp_path / "slim.safetensors", "--quiet"], capsys)
+    code, out, err = run_cli(["fold", stock_file, tmp_path / "slim.safetensors", "--quiet"], capsys)
     assert (code, out, err) == (0, "", "")
     assert (tmp_path / "slim.safetensors").exists()
 
@@ -86,16 +77,16 @@ def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
     tensors = {**prefixed(stock_attention(add_zero_attn=True), "dec.layers.0.attn."),
                **prefixed(stock_attention(seed=3), "enc.attn.")}
     save_file(tensors, tmp_path / "in.safetensors")
-    code, out, err = run(["fold", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
+    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
                           "--zero-attn", "dec.layers.*.attn"], capsys)
     assert (code, err) == (0, "")
     assert "  dec.layers.0.attn: split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)" in out
-    code, out, err = run(["fold", tmp_path / "in.safetensors", tmp_path / "eval.safetensors",
+    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "eval.safetensors",
                           "--zero-attn", "dec.layers.*.attn", "--fold-value-bias"], capsys)
     assert code == 1
     assert err.startswith(f"{PROG} fold: error: {tmp_path / 'in.safetensors'}: fold cannot convert "
                           "'dec.layers.0.attn' exactly: it is marked add_zero_attn, and the zero value token")
-    code, out, err = run(["to-stock", tmp_path / "slim.safetensors", tmp_path / "back.safetensors", "--verify"], capsys)
+    code, out, err = run_cli(["to-stock", tmp_path / "slim.safetensors", tmp_path / "back.safetensors", "--verify"], capsys)
     assert (code, err) == (0, "")
     assert out.splitlines()[1].startswith(
         "  dec.layers.0.attn: pack the input biases into in_proj_bias with the kept k_proj_bias [verified, error "
@@ -103,7 +94,7 @@ def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
 
 
 def test_inspect_output(tmp_path, stock_file, capsys):
-    code, out, err = run(["inspect", stock_file], capsys)
+    code, out, err = run_cli(["inspect", stock_file], capsys)
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == f"{stock_file}: 2 attention modules; 1 shard, 10 tensors, 2.31 KiB"
@@ -143,7 +134,7 @@ def test_inspect_output(tmp_path, stock_file, capsys):
 )
 def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv, message):
     command = argv[0]
-    code, out, err = run([arg.format(tmp=tmp_path) for arg in argv], capsys)
+    code, out, err = run_cli([arg.format(tmp=tmp_path) for arg in argv], capsys)
     assert code == 1
     assert out == ""
     assert err == f"{PROG} {command}: error: {message.format(tmp=tmp_path)}\n"
@@ -151,16 +142,16 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv
 
 def test_existing_output_then_force(tmp_path, stock_file, capsys):
     (tmp_path / "out.safetensors").write_bytes(b"x")
-    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, err) == (1, f"{PROG} fold: error: {tmp_path / 'out.safetensors'}: already exists; pass --force to replace it\n")
-    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert (code, err) == (0, "")
 
 
 def test_truncated_file_error_is_one_line(tmp_path, stock_file, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(stock_file.read_bytes()[:-3])
-    code, out, err = run(["inspect", bad], capsys)
+    code, out, err = run_cli(["inspect", bad], capsys)
     assert code == 1 and out == ""
     assert err.startswith(f"{PROG} inspect: error: {bad}: not a valid safetensors file (")
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -171,7 +162,7 @@ def test_a_bug_is_still_one_line(tmp_path, stock_file, capsys, monkeypatch):
         raise TypeError("unexpected\nthing")
 
     monkeypatch.setattr(migrate_module, "find_attention_modules", broken)
-    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, out) == (1, "")
     assert err == f"{PROG} fold: internal error: TypeError: unexpected thing; nothing was written\n"
 
@@ -181,7 +172,7 @@ def test_ctrl_c_exits_130(tmp_path, stock_file, capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(migrate_module, "write_safetensors", interrupted)
-    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, err) == (130, f"{PROG} fold: interrupted; nothing was written\n")
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -197,7 +188,7 @@ def test_ctrl_c_exits_130(tmp_path, stock_file, capsys, monkeypatch):
     ids=["no_command", "no_dst", "to_stock_value_bias", "inspect_force"],
 )
 def test_usage_errors_exit_2(capsys, argv, fragment):
-    code, out, err = run(argv, capsys)
+    code, out, err = run_cli(argv, capsys)
     assert code == 2 and out == ""
     assert err.splitlines()[-1].endswith(fragment)
 
@@ -207,19 +198,19 @@ def test_usage_errors_exit_2(capsys, argv, fragment):
 
 @pytest.mark.parametrize("command", ["strip", "fold", "to-stock", "inspect"])
 def test_every_subcommand_help_shows_real_examples(command, capsys):
-    code, out, _ = run([command, "--help"], capsys)
+    code, out, _ = run_cli([command, "--help"], capsys)
     assert code == 0
     examples = out.split("examples:\n", 1)[1].splitlines()
     assert examples and all(line.startswith(f"  {PROG} {command} ") for line in examples)
 
 
 def test_fold_value_bias_help_says_eval_only(capsys):
-    _, out, _ = run(["fold", "--help"], capsys)
+    _, out, _ = run_cli(["fold", "--help"], capsys)
     assert "exact for inference (eval) only" in " ".join(out.split())
 
 
 def test_top_level_help_lists_the_subcommands(capsys):
-    code, out, _ = run(["--help"], capsys)
+    code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
     for command in ("strip", "fold", "to-stock", "inspect"):
         assert f"    {command} " in out
@@ -236,24 +227,24 @@ class _Terminal(io.StringIO):
 def test_progress_bar_on_a_terminal_for_sharded_input(tmp_path, sharded, capsys, monkeypatch):
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    code, _, _ = run(["fold", sharded, tmp_path / "out"], capsys)
+    code, _, _ = run_cli(["fold", sharded, tmp_path / "out"], capsys)
     assert code == 0
     assert "100%" in terminal.getvalue()
 
 
 def test_no_progress_bar_with_quiet_or_without_a_terminal(tmp_path, sharded, capsys, monkeypatch):
-    code, _, err = run(["fold", sharded, tmp_path / "plain"], capsys)  # captured stderr is not a TTY
+    code, _, err = run_cli(["fold", sharded, tmp_path / "plain"], capsys)  # captured stderr is not a TTY
     assert (code, err) == (0, "")
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    code, _, _ = run(["fold", sharded, tmp_path / "quiet", "--quiet"], capsys)
+    code, _, _ = run_cli(["fold", sharded, tmp_path / "quiet", "--quiet"], capsys)
     assert code == 0 and terminal.getvalue() == ""
 
 
 def test_no_progress_bar_for_a_small_single_file_even_on_a_terminal(tmp_path, stock_file, capsys, monkeypatch):
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    assert run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)[0] == 0
+    assert run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)[0] == 0
     assert terminal.getvalue() == ""
 
 
@@ -272,7 +263,7 @@ def _readable_names() -> list[str]:
 @pytest.mark.parametrize("where", ["help", "docstring"])
 def test_the_help_and_the_docstring_name_every_accepted_format_and_no_other(where, capsys):
     if where == "help":
-        code, text, err = run(["--help"], capsys)
+        code, text, err = run_cli(["--help"], capsys)
         assert (code, err) == (0, "")
     else:
         text = migration_package.__doc__.replace("``", "")
@@ -286,7 +277,7 @@ def test_the_help_and_the_docstring_name_every_accepted_format_and_no_other(wher
 
 @pytest.mark.parametrize("command", ["strip", "fold", "to-stock", "inspect"])
 def test_each_subcommands_help_names_the_input_files(command, capsys):
-    code, out, _ = run([command, "--help"], capsys)
+    code, out, _ = run_cli([command, "--help"], capsys)
     assert code == 0
     source_help = " ".join(out.split()).split("SRC checkpoint to read: ")[1]
     for suffix in [".safetensors", *checkpoint_module.TORCH_SUFFIXES, "*.index.json", "checkpoint folder"]:
@@ -407,7 +398,7 @@ def test_the_cli_and_the_api_each_speak_their_own_words(tmp_path, stock_file, ca
     (tmp_path / "out.safetensors").write_bytes(b"x")
     with pytest.raises(FileExistsError, match=r"already exists; pass force=True to replace it$"):
         migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors")
-    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--zero-attn", ""], capsys)
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--zero-attn", ""], capsys)
     assert (code, err) == (1, f"{PROG} fold: error: --zero-attn '': expected a module name such as "
                               "'decoder.layers.0.self_attn'\n")
     with pytest.raises(ValueError, match=r"^zero_attn '': expected a module name"):
@@ -416,7 +407,7 @@ def test_the_cli_and_the_api_each_speak_their_own_words(tmp_path, stock_file, ca
 
 def test_escape_characters_in_paths_are_shown_escaped(tmp_path, stock_file, capsys):
     destination = tmp_path / "out\x1b[2K\r.pt"
-    code, out, err = run(["fold", stock_file, destination], capsys)
+    code, out, err = run_cli(["fold", stock_file, destination], capsys)
     assert code == 1 and out == ""
     assert err == (f"{PROG} fold: error: {tmp_path}/out\\x1b[2K\\r.pt: the output is one safetensors file, so DST "
                    "must end in .safetensors\n")
@@ -427,7 +418,7 @@ def test_a_write_failure_names_the_users_path_not_the_staging_path(tmp_path, sha
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(migrate_module, "write_safetensors", disk_full)
-    code, out, err = run(["fold", sharded, tmp_path / "out"], capsys)
+    code, out, err = run_cli(["fold", sharded, tmp_path / "out"], capsys)
     assert (code, out) == (1, "")
     assert err == f"{PROG} fold: error: {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was written\n"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
@@ -439,7 +430,7 @@ def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, 
             raise KeyboardInterrupt
 
     monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
-    code, out, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, out) == (130, "")
     assert err == f"{PROG} fold: interrupted after {tmp_path / 'out.safetensors'} was written completely\n"
     assert "attn" not in err and load_file(tmp_path / "out.safetensors")
@@ -453,7 +444,7 @@ def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock
             raise KeyboardInterrupt
 
     monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
-    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert code == 130
     out_path = tmp_path / "out.safetensors"
     assert err == f"{PROG} fold: interrupted; nothing was written: {out_path} was left as it was\n"
@@ -468,7 +459,7 @@ def test_a_bug_after_the_output_is_in_place_does_not_say_nothing_was_written(tmp
         raise TypeError("cannot format")
 
     monkeypatch.setattr(cli_module, "format_report", broken)
-    code, _, err = run(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert code == 1
     assert err == (f"{PROG} fold: internal error: TypeError: cannot format; {tmp_path / 'out.safetensors'} "
                    "was written completely\n")

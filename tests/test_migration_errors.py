@@ -16,6 +16,7 @@ import slim_mha.migration._migrate as migrate_module
 import slim_mha.migration._writer as writer_module
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import refusal
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 
@@ -31,9 +32,10 @@ def stock_file(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError) as caught:
-        fold_checkpoint(tmp_path / "nope.safetensors", tmp_path / "out.safetensors")
-    assert str(caught.value) == f"{tmp_path / 'nope.safetensors'}: no such file or directory"
+    missing = tmp_path / "nope.safetensors"
+    assert refusal(FileNotFoundError, fold_checkpoint, missing, tmp_path / "out.safetensors") == (
+        f"{missing}: no such file or directory"
+    )
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         inspect_checkpoint(tmp_path / "nope.safetensors")
 
@@ -46,13 +48,12 @@ def test_missing_file(tmp_path):
 def test_truncated_or_corrupt_safetensors(stock_file, tmp_path, damage):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(damage(stock_file.read_bytes()))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(bad, tmp_path / "out.safetensors")
+    message = refusal(ValueError, fold_checkpoint, bad, tmp_path / "out.safetensors")
     assert re.fullmatch(
         re.escape(f"{bad}: not a valid safetensors file (") + r"Error while deserializing header: [^()]+"
         + re.escape("); it is truncated, corrupt or another format: re-download or re-save it"),
-        str(caught.value),
-    ), str(caught.value)
+        message,
+    ), message
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -66,9 +67,7 @@ def test_a_pickle_named_safetensors_is_not_read_as_one(tmp_path):
 def test_unsupported_format(tmp_path):
     path = tmp_path / "model.npz"
     path.write_bytes(b"PK")
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: unsupported input format; expected a .safetensors file, a directory with "
         "model.safetensors.index.json or pytorch_model.bin.index.json, an *.index.json file, or a "
         ".pt/.pth/.bin/.ckpt state dict"
@@ -77,9 +76,7 @@ def test_unsupported_format(tmp_path):
 
 def test_directory_without_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(tmp_path / "empty")
-    assert str(caught.value) == (
+    assert refusal(ValueError, inspect_checkpoint, tmp_path / "empty") == (
         f"{tmp_path / 'empty'}: directory has none of model.safetensors.index.json, model.safetensors, "
         "pytorch_model.bin.index.json or pytorch_model.bin; pass the checkpoint file or its index instead"
     )
@@ -105,10 +102,9 @@ def _edit_index(directory, edit):
 
 def test_shard_listed_but_missing(sharded, tmp_path):
     (sharded / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
+    message = refusal(FileNotFoundError, fold_checkpoint, sharded, tmp_path / "out")
     index = sharded / "model.safetensors.index.json"
-    assert str(caught.value) == (
+    assert message == (
         f"{index}: shard 'model-00002-of-00002.safetensors' is listed in the weight_map (for "
         f"'attn.out_proj.bias') but {sharded / 'model-00002-of-00002.safetensors'} does not exist; "
         "restore the shard or fix the index"
@@ -119,9 +115,7 @@ def test_shard_listed_but_missing(sharded, tmp_path):
 def test_index_that_is_not_json(sharded, tmp_path):
     index = sharded / "model.safetensors.index.json"
     index.write_text("{not json")
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
         f"{index}: not a valid index (Expecting property name enclosed in double quotes at line 1); "
         "expected JSON with a 'weight_map' of tensor name -> shard file"
     )
@@ -129,18 +123,14 @@ def test_index_that_is_not_json(sharded, tmp_path):
 
 def test_index_without_weight_map(sharded, tmp_path):
     index = _edit_index(sharded, lambda index: index.pop("weight_map"))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(index, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, index, tmp_path / "out") == (
         f"{index}: not a valid index: 'weight_map' must map tensor names to shard file names"
     )
 
 
 def test_index_listing_a_key_its_shard_lacks(sharded, tmp_path):
-    index = _edit_index(sharded, lambda index: index["weight_map"].update({"ghost": "model-00001-of-00002.safetensors"}))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
-    assert str(caught.value) == (
+    _edit_index(sharded, lambda index: index["weight_map"].update({"ghost": "model-00001-of-00002.safetensors"}))
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
         f"{sharded / 'model-00001-of-00002.safetensors'}: 'ghost' is listed in the index for this shard but "
         "the shard does not contain it; fix the index"
     )
@@ -148,9 +138,7 @@ def test_index_listing_a_key_its_shard_lacks(sharded, tmp_path):
 
 def test_shard_holding_a_key_the_index_lacks(sharded, tmp_path):
     _edit_index(sharded, lambda index: index["weight_map"].pop("attn.in_proj_bias"))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
         f"{sharded / 'model-00001-of-00002.safetensors'}: 'attn.in_proj_bias' is stored here but the index "
         "maps it to None; fix the index"
     )
@@ -158,9 +146,7 @@ def test_shard_holding_a_key_the_index_lacks(sharded, tmp_path):
 
 def test_shard_name_with_a_path_is_refused(sharded, tmp_path):
     index = _edit_index(sharded, lambda index: index["weight_map"].update({"attn.in_proj_bias": "../x.safetensors"}))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
         f"{index}: shard name '../x.safetensors' (for 'attn.in_proj_bias') is not a plain file name; "
         "shards must sit beside the index"
     )
@@ -178,11 +164,9 @@ def test_pickle_needing_more_than_tensors_is_refused_unexecuted(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "evil.pt"
     torch.save({"attn.in_proj_weight": torch.zeros(3, 1), "payload": _Evil()}, path)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
+    message = refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors")
     prefix = f"{path}: refused: the pickle needs more than tensors ("
     suffix = ") and was not executed; re-save it from trusted code as torch.save(model.state_dict(), path)"
-    message = str(caught.value)
     assert message.startswith(prefix) and message.endswith(suffix), message
     # The reason is the weights-only unpickler's own line, whose wording changes between torch versions
     # (2.13: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked.").
@@ -201,9 +185,7 @@ def test_truncated_or_corrupt_torch_file(tmp_path, damage):
     torch.save(prefixed(stock_attention(), "attn."), good)
     bad = tmp_path / "bad.pt"
     bad.write_bytes(damage(good.read_bytes()))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(bad, tmp_path / "out.safetensors")
-    message = str(caught.value)
+    message = refusal(ValueError, fold_checkpoint, bad, tmp_path / "out.safetensors")
     assert message.startswith(f"{bad}: not a readable PyTorch checkpoint (")
     assert message.endswith("); it is truncated, corrupt or another format")
     assert "\n" not in message
@@ -212,9 +194,7 @@ def test_truncated_or_corrupt_torch_file(tmp_path, damage):
 def test_torch_state_dict_with_a_non_tensor(tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"attn.in_proj_weight": torch.zeros(3, 1), "step": 7}, path)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: 'step' holds a int, not a tensor; safetensors stores tensors only: save model.state_dict() alone"
     )
 
@@ -222,9 +202,7 @@ def test_torch_state_dict_with_a_non_tensor(tmp_path):
 def test_torch_file_that_is_not_a_dict(tmp_path):
     path = tmp_path / "model.pt"
     torch.save([torch.zeros(2)], path)
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(path)
-    assert str(caught.value) == (
+    assert refusal(ValueError, inspect_checkpoint, path) == (
         f"{path}: holds a list, not a state dict; expected a dict of tensors, or one under 'state_dict' or 'model'"
     )
 
@@ -271,9 +249,7 @@ def test_groups_that_do_not_fit_are_refused(tmp_path, edit, problem):
     tensors = prefixed(stock_attention(add_bias_kv=True), "attn.")
     edit(tensors)
     path = _with(tmp_path, tensors)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == f"{path}: {problem}; {FIX_GROUP}"
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == f"{path}: {problem}; {FIX_GROUP}"
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -281,17 +257,15 @@ def test_separate_projections_missing_one(tmp_path):
     tensors = prefixed(stock_attention(kdim=5, vdim=6), "attn.")
     del tensors["attn.k_proj_weight"]
     path = _with(tmp_path, tensors)
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(path)
-    assert str(caught.value) == f"{path}: 'attn.q_proj_weight' is present but attn.k_proj_weight is missing; {FIX_GROUP}"
+    assert refusal(ValueError, inspect_checkpoint, path) == (
+        f"{path}: 'attn.q_proj_weight' is present but attn.k_proj_weight is missing; {FIX_GROUP}"
+    )
 
 
 def test_a_lone_bias_k_elsewhere_is_refused_not_changed(tmp_path):
     tensors = {**prefixed(stock_attention(), "attn."), "prompt.bias_k": torch.zeros(1, 1, 8)}
     path = _with(tmp_path, tensors)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: 'prompt.bias_k' is named like an attention parameter but has no in_proj_weight beside it; "
         "the tensors under 'prompt.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
     )
@@ -302,9 +276,7 @@ def test_to_stock_refuses_biases_of_different_dtypes(tmp_path, stock_file):
     tensors = load_file(tmp_path / "slim.safetensors")
     tensors["attn.v_proj_bias"] = tensors["attn.v_proj_bias"].double()
     path = _with(tmp_path, tensors)
-    with pytest.raises(ValueError) as caught:
-        to_stock_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, to_stock_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: to-stock cannot convert 'attn' exactly: its input biases have dtypes F32, F64, which cannot "
         "be packed into one in_proj_bias; cast them to one dtype; nothing was written"
     )
@@ -315,9 +287,7 @@ def test_to_stock_refuses_biases_of_different_dtypes(tmp_path, stock_file):
 
 def test_non_attention_checkpoint_has_nothing_to_do(tmp_path):
     path = _with(tmp_path, {"linear.weight": torch.zeros(2, 2), "out_proj.weight": torch.zeros(2, 2)})
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
         "q_proj_weight); nothing was written"
     )
@@ -325,9 +295,7 @@ def test_non_attention_checkpoint_has_nothing_to_do(tmp_path):
 
 
 def test_already_converted_has_nothing_to_do(tmp_path, stock_file):
-    with pytest.raises(ValueError) as caught:
-        to_stock_checkpoint(stock_file, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, to_stock_checkpoint, stock_file, tmp_path / "out.safetensors") == (
         f"{stock_file}: nothing to do: its attention module 'attn' is already in the stock layout; nothing was written"
     )
     fold_checkpoint(stock_file, tmp_path / "slim.safetensors")
@@ -341,9 +309,9 @@ def test_already_converted_has_nothing_to_do(tmp_path, stock_file):
 def test_existing_output_needs_force(tmp_path, stock_file):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"precious")
-    with pytest.raises(FileExistsError) as caught:
-        fold_checkpoint(stock_file, out)
-    assert str(caught.value) == f"{out}: already exists; pass force=True to replace it"  # API words
+    assert refusal(FileExistsError, fold_checkpoint, stock_file, out) == (
+        f"{out}: already exists; pass force=True to replace it"  # API words
+    )
     assert out.read_bytes() == b"precious"
     fold_checkpoint(stock_file, out, force=True)
     assert "attn.q_proj_bias" in load_file(out)
@@ -357,9 +325,7 @@ def test_existing_output_directory_needs_force_and_only_holds_checkpoint_files(t
         fold_checkpoint(sharded, out)
     for stranger in ("config.json", "stale.safetensors"):  # neither written by this output nor listed
         (out / stranger).write_bytes(b"old")
-        with pytest.raises(ValueError) as caught:
-            fold_checkpoint(sharded, out, force=True)
-        assert str(caught.value) == (
+        assert refusal(ValueError, fold_checkpoint, sharded, out, force=True) == (
             f"{out}: force=True would delete '{stranger}', which this output does not write; a folder is replaced "
             "only if it holds nothing but the shards, index and companion files of a checkpoint output: move "
             "it away or choose another DST"
@@ -386,23 +352,21 @@ def test_bad_destinations(tmp_path, stock_file, sharded, source_name, destinatio
     source = stock_file if source_name == "file" else sharded
     destination = tmp_path / destination_name
     before = tree_digest(source)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(source, destination, force=True)
-    assert str(caught.value) == message.format(dst=destination, src=source)
+    assert refusal(ValueError, fold_checkpoint, source, destination, force=True) == (
+        message.format(dst=destination, src=source)
+    )
     assert tree_digest(source) == before
 
 
 def test_destination_folder_must_exist(tmp_path, stock_file):
-    with pytest.raises(FileNotFoundError) as caught:
-        fold_checkpoint(stock_file, tmp_path / "missing" / "out.safetensors")
-    assert str(caught.value) == f"{tmp_path / 'missing'}: the folder for DST does not exist; create it first"
+    assert refusal(FileNotFoundError, fold_checkpoint, stock_file, tmp_path / "missing" / "out.safetensors") == (
+        f"{tmp_path / 'missing'}: the folder for DST does not exist; create it first"
+    )
 
 
 def test_file_output_onto_a_directory_is_refused(tmp_path, stock_file):
     (tmp_path / "out.safetensors").mkdir()
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(stock_file, tmp_path / "out.safetensors", force=True)
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, stock_file, tmp_path / "out.safetensors", force=True) == (
         f"{tmp_path / 'out.safetensors'}: is a directory, but the output is one .safetensors file"
     )
 

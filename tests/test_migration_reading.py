@@ -22,7 +22,6 @@ import slim_mha.migration._plan as plan_module
 from slim_mha import SlimMultiheadAttention
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
-from slim_mha.migration.cli import main
 from _migration_checkpoints import (
     attention_inputs,
     load_sharded,
@@ -33,19 +32,11 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
+from _migration_helpers import refusal, run_cli
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"
 )
-
-
-def run_cli(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main([str(arg) for arg in argv])
-    except SystemExit as exit:
-        code = exit.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def slim_outputs(state: dict, **config) -> torch.Tensor:
@@ -144,9 +135,7 @@ def test_a_file_that_shrank_after_opening_is_reported(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-4])
     last = max(records.values(), key=lambda record: record.offset)
-    with pytest.raises(ValueError) as caught:
-        last.read()
-    assert str(caught.value) == (
+    assert refusal(ValueError, last.read) == (
         f"{path}: cannot read '{last.key}' (the file ends 4 bytes early; it changed while being read)"
     )
 
@@ -255,9 +244,7 @@ def _with_metadata(tmp_path, metadata: dict[str, str]):
 
 def test_a_recorded_mark_naming_no_module_is_refused(tmp_path):
     path = _with_metadata(tmp_path, {"slim_mha.zero_attn_modules": "attn,decoder.attn"})
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: its metadata marks 'decoder.attn' as an add_zero_attn module (slim_mha.zero_attn_modules), but "
         "no attention module has that name: the tensors were renamed after slim_mha wrote them; convert the "
         "original checkpoint, with --zero-attn"
@@ -267,9 +254,7 @@ def test_a_recorded_mark_naming_no_module_is_refused(tmp_path):
 
 def test_a_newer_or_edited_format_version_is_refused(tmp_path):
     path = _with_metadata(tmp_path, {"slim_mha.format_version": "99"})
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(path)
-    assert str(caught.value) == (
+    assert refusal(ValueError, inspect_checkpoint, path) == (
         f"{path}: written by a newer slim_mha (format version 99; this one reads up to "
         f"{SlimMultiheadAttention._version}); upgrade slim_mha to convert it"
     )
@@ -414,9 +399,7 @@ def test_a_named_pipe_as_source_is_refused_without_opening(tmp_path, no_hang, na
     pipe = tmp_path / name
     os.mkfifo(pipe)
     message = f"{pipe}: is a named pipe (FIFO), not a regular file; pass the checkpoint file itself"
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(pipe, tmp_path / "out.safetensors")
-    assert str(caught.value) == message
+    assert refusal(ValueError, fold_checkpoint, pipe, tmp_path / "out.safetensors") == message
     with pytest.raises(ValueError, match="is a named pipe"):
         inspect_checkpoint(pipe)
     assert run_cli(["inspect", pipe], capsys) == (1, "", f"slim-mha-migrate inspect: error: {message}\n")
@@ -425,9 +408,7 @@ def test_a_named_pipe_as_source_is_refused_without_opening(tmp_path, no_hang, na
 def test_a_named_pipe_inside_a_directory_is_refused(tmp_path, no_hang):
     (tmp_path / "ckpt").mkdir()
     os.mkfifo(tmp_path / "ckpt" / "model.safetensors")
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(tmp_path / "ckpt")
-    assert str(caught.value) == (
+    assert refusal(ValueError, inspect_checkpoint, tmp_path / "ckpt") == (
         f"{tmp_path / 'ckpt' / 'model.safetensors'}: is a named pipe (FIFO), not a regular file; replace it with "
         "the checkpoint file"
     )
@@ -454,9 +435,7 @@ def test_a_shard_that_is_not_a_file_is_named_truthfully(tmp_path, two_shards, no
     shard = two_shards / "model-00002-of-00002.safetensors"
     shard.unlink()
     make(shard)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(two_shards, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, two_shards, tmp_path / "out") == (
         f"{two_shards / 'model.safetensors.index.json'}: shard 'model-00002-of-00002.safetensors' is listed in the "
         f"weight_map (for 'attn.out_proj.bias') but {shard} {problem}; put the shard file there or fix the index"
     )
@@ -487,9 +466,7 @@ def test_random_bytes_in_a_pt_are_not_called_a_malicious_pickle(tmp_path):
     assert message.startswith(f"{path}: not a readable PyTorch checkpoint (") and "refused" not in message, message
     assert "Unsupported operand " in message and message.endswith("); it is truncated, corrupt or another format")
     (tmp_path / "empty.pt").write_bytes(b"")
-    with pytest.raises(ValueError) as caught:
-        inspect_checkpoint(tmp_path / "empty.pt")
-    assert str(caught.value) == (
+    assert refusal(ValueError, inspect_checkpoint, tmp_path / "empty.pt") == (
         f"{tmp_path / 'empty.pt'}: not a readable PyTorch checkpoint (it is empty); it is truncated, corrupt or "
         "another format"
     )
@@ -504,10 +481,9 @@ def test_malicious_pickles_in_other_layouts_are_still_refused(tmp_path, monkeypa
         torch.save(payload, path, _use_new_zipfile_serialization=False)
     else:
         path.write_bytes(pickle.dumps(_Evil(), protocol=2))
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(path, tmp_path / "out.safetensors")
-    assert str(caught.value).startswith(f"{path}: refused: the pickle needs more than tensors (")
-    assert "GLOBAL posix.system" in str(caught.value)
+    message = refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors")
+    assert message.startswith(f"{path}: refused: the pickle needs more than tensors (")
+    assert "GLOBAL posix.system" in message
     assert not (tmp_path / "pwned-by-pickle").exists()
 
 
@@ -532,9 +508,7 @@ def test_names_with_control_characters_are_shown_escaped(tmp_path, capsys):
         f"{odd}: 'x\\x1b[2K.bias_k' is named like an attention parameter but has no in_proj_weight beside it; the "
         "tensors under 'x\\x1b[2K.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
     )
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(odd, tmp_path / "out.safetensors")
-    assert str(caught.value) == expected
+    assert refusal(ValueError, fold_checkpoint, odd, tmp_path / "out.safetensors") == expected
     assert run_cli(["fold", odd, tmp_path / "out.safetensors"], capsys) == (
         1, "", f"slim-mha-migrate fold: error: {expected}\n"
     )
@@ -545,9 +519,8 @@ def test_a_shard_name_with_an_escape_is_shown_escaped(tmp_path, two_shards):
     content = json.loads(index.read_text())
     content["weight_map"]["attn.in_proj_bias"] = "\x1b[2Kmissing.safetensors"
     index.write_text(json.dumps(content))
-    with pytest.raises(FileNotFoundError) as caught:
-        fold_checkpoint(two_shards, tmp_path / "out")
-    assert "\x1b" not in str(caught.value) and "shard '\\x1b[2Kmissing.safetensors'" in str(caught.value)
+    message = refusal(FileNotFoundError, fold_checkpoint, two_shards, tmp_path / "out")
+    assert "\x1b" not in message and "shard '\\x1b[2Kmissing.safetensors'" in message
 
 
 def test_inspect_and_fold_agree_on_a_checkpoint_without_biases(tmp_path, capsys):
@@ -566,9 +539,7 @@ def test_inspect_and_fold_agree_on_a_checkpoint_without_biases(tmp_path, capsys)
     save_file({**prefixed(stock_attention(bias=False), "a."), **prefixed(stock_attention(bias=False), "b."),
                **prefixed(stock_attention(), "c.")}, mixed)
     fold_checkpoint(mixed, tmp_path / "slim.safetensors")
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(tmp_path / "slim.safetensors", tmp_path / "again.safetensors")
-    assert str(caught.value) == (
+    assert refusal(ValueError, fold_checkpoint, tmp_path / "slim.safetensors", tmp_path / "again.safetensors") == (
         f"{tmp_path / 'slim.safetensors'}: nothing to do: of its 3 attention modules, 1 is already in the slim "
         "layout and 2 have no input biases (bias=False); nothing was written"
     )
@@ -592,11 +563,10 @@ def test_a_folder_with_both_layouts_is_read_through_its_safetensors(tmp_path):
 def test_errors_name_the_path_the_user_gave(tmp_path, two_shards, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (two_shards / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError) as caught:
-        fold_checkpoint("ckpt", "out")
-    assert str(caught.value).startswith(
+    message = refusal(FileNotFoundError, fold_checkpoint, "ckpt", "out")
+    assert message.startswith(
         "ckpt/model.safetensors.index.json: shard 'model-00002-of-00002.safetensors' is listed in the weight_map"
     )
-    assert "but ckpt/model-00002-of-00002.safetensors does not exist" in str(caught.value)
+    assert "but ckpt/model-00002-of-00002.safetensors does not exist" in message
     code, out, err = run_cli(["fold", "ckpt", "out"], capsys)
     assert code == 1 and err.startswith("slim-mha-migrate fold: error: ckpt/model.safetensors.index.json: shard")

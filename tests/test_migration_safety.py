@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 import slim_mha.migration._staging as staging_module
 from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -46,9 +47,7 @@ def _litter(folder: Path) -> list[str]:
 
 def _force_refused(source: Path, destination: Path, message: str) -> None:
     before = tree_digest(destination.parent)
-    with pytest.raises(ValueError) as caught:
-        fold_checkpoint(source, destination, force=True)
-    assert str(caught.value) == message
+    assert refusal(ValueError, fold_checkpoint, source, destination, force=True) == message
     assert tree_digest(destination.parent) == before  # nothing touched, anywhere beside DST either
     assert _litter(destination.parent) == []
 
@@ -72,23 +71,15 @@ def test_force_refuses_a_subdirectory_named_like_a_shard(tmp_path, sharded):
                    + _ENTRY_RULE)
 
 
-def test_force_refuses_a_symlink_entry(tmp_path, sharded):
+@pytest.mark.parametrize("entry", ["extra.safetensors", "model-00002-of-00003.safetensors"],
+                         ids=["other_name", "even_under_a_shard_name"])
+def test_force_refuses_a_symlink_entry(tmp_path, sharded, entry):
     out = tmp_path / "out"
     fold_checkpoint(sharded, out)
     (tmp_path / "elsewhere.safetensors").write_bytes(b"someone else's")
-    os.symlink(tmp_path / "elsewhere.safetensors", out / "extra.safetensors")
-    _force_refused(sharded, out, f"{out}: force=True would delete 'extra.safetensors', which is a symbolic link"
-                   + _ENTRY_RULE)
-
-
-def test_force_refuses_a_symlink_even_under_a_shard_name(tmp_path, sharded):
-    out = tmp_path / "out"
-    fold_checkpoint(sharded, out)
-    (tmp_path / "elsewhere.safetensors").write_bytes(b"someone else's")
-    (out / "model-00002-of-00003.safetensors").unlink()
-    os.symlink(tmp_path / "elsewhere.safetensors", out / "model-00002-of-00003.safetensors")
-    _force_refused(sharded, out, f"{out}: force=True would delete 'model-00002-of-00003.safetensors', which is "
-                   "a symbolic link" + _ENTRY_RULE)
+    (out / entry).unlink(missing_ok=True)  # a shard the output writes: replaced by the link
+    os.symlink(tmp_path / "elsewhere.safetensors", out / entry)
+    _force_refused(sharded, out, f"{out}: force=True would delete '{entry}', which is a symbolic link" + _ENTRY_RULE)
     assert (tmp_path / "elsewhere.safetensors").read_bytes() == b"someone else's"
 
 
@@ -313,9 +304,7 @@ def test_an_input_that_fails_while_writing_is_named(tmp_path, sharded, monkeypat
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(writer_module.os, "open", unreadable)
-    with pytest.raises(OSError) as caught:
-        fold_checkpoint(sharded, tmp_path / "out")
-    assert str(caught.value) == (
+    assert refusal(OSError, fold_checkpoint, sharded, tmp_path / "out") == (
         f"{tmp_path / 'out'}: cannot write the output ({sharded / 'config.json'}: Permission denied); "
         "nothing was written"
     )
