@@ -22,7 +22,9 @@ memory at the right offsets, one dtype) and otherwise builds the bias from the p
 are at that moment. Aliasing is re-made only where the module owns its parameters (construction,
 ``_apply``, loading, assignment, reading ``in_proj_bias``), never while a trace, ``torch.compile``
 or a functorch transform runs, and never with tensors that are not the module's own registered
-plain ``Parameter`` objects.
+plain ``Parameter`` objects. A ``torch.compile`` trace reads the packed memory (the middle slot)
+through a plain tensor aliasing it, made at each verification: Dynamo on torch 2.4 cannot look
+into the packed Parameter subclass.
 """
 
 from __future__ import annotations
@@ -70,19 +72,26 @@ class PackedParameter(Parameter):
 
 
 class PackedBias:
-    """The packed tensor and what it was last verified against."""
+    """The packed tensor and what it was last verified against.
 
-    __slots__ = ("packed", "parts", "address", "itemsize", "dtype", "requires_grad", "hooked")
+    A plain class (no ``__slots__``): Dynamo on torch 2.4 cannot read slot attributes.
+    """
 
     def __init__(self, module, packed: Tensor, parts: tuple) -> None:
         self.packed = packed
         self.hooked = False
+        # A PackedParameter takes in ``.data = new`` at once (outside transforms); an assigned plain
+        # Parameter is only checked at the next eager use.
+        self.notifies = isinstance(packed, PackedParameter)
         self.record(parts)
-        if isinstance(packed, PackedParameter):
+        if self.notifies:
             _OWNERS[packed] = weakref.ref(module)
 
     def record(self, parts: tuple) -> None:
         self.parts = parts
+        # A plain tensor on the packed memory, for traces: Dynamo on torch 2.4 cannot look into a
+        # Parameter subclass at all, so a compiled forward reads the middle slot through this.
+        self.memory = self.packed.detach()
         self.address = self.packed.data_ptr()
         self.itemsize = self.packed.element_size()
         self.dtype = self.packed.dtype
@@ -151,7 +160,7 @@ def fused_bias(module) -> Tensor | None:
         records_graph = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in parts)
         if not records_graph and _is_aliased(state, parts, module.embed_dim):
             return state.packed
-    elif state is not None and _same_objects(parts, state.parts) and _differs_in_dtype_or_device(state.packed, parts):
+    elif state is not None and _same_objects(parts, state.parts) and _has_unfolded_dtype_or_device(state, parts):
         raise RuntimeError(
             "in_proj_bias was given data of another dtype or device than q_proj_bias/v_proj_bias and "
             "has not been folded into them yet: run one eager forward (or read module.in_proj_bias) "
@@ -286,9 +295,23 @@ def _packed_was_repointed(state: PackedBias, parts: tuple) -> bool:
     return E > 0 and _views_at(parts, state.address, state.itemsize, state.dtype, E)
 
 
-def _differs_in_dtype_or_device(packed: Tensor, parts: tuple) -> bool:
+def _has_unfolded_dtype_or_device(state: PackedBias, parts: tuple) -> bool:
+    """``in_proj_bias.data = new`` of another dtype or device, not yet taken in by the parameters
+    (an assigned plain ``Parameter`` is told nothing; nor is a PackedParameter inside a transform)."""
+    packed = _traceable_packed(state)
     reference = _first_present(parts)
     return packed.dtype != reference.dtype or packed.device != reference.device
+
+
+def _traceable_packed(state: PackedBias) -> Tensor:
+    """The packed tensor, or its plain alias under ``torch.compile`` where it is a PackedParameter.
+
+    Dynamo on torch 2.4 cannot look into a Parameter subclass. The alias is current there: a
+    PackedParameter takes in new data when it is given it, and ``record`` makes a new alias.
+    """
+    if state.notifies and torch.compiler.is_compiling():
+        return state.memory
+    return state.packed
 
 
 def _can_alias(module, parts: tuple, owned: bool = False) -> bool:
@@ -382,8 +405,9 @@ def _concatenate(module, state: PackedBias | None, parts: tuple) -> Tensor:
     middle = parts[1]
     if middle is None:
         # The slot changes the function only relative to appended tokens (add_bias_kv).
-        if module.bias_k is not None and state is not None and not state.packed.is_meta:
-            middle = state.packed.detach()[E : 2 * E].to(dtype=reference.dtype, device=reference.device)
+        packed = _traceable_packed(state) if module.bias_k is not None and state is not None else None
+        if packed is not None and not packed.is_meta:
+            middle = packed.detach()[E : 2 * E].to(dtype=reference.dtype, device=reference.device)
         else:
             middle = zero()
     return torch.cat([zero() if parts[0] is None else parts[0], middle, zero() if parts[2] is None else parts[2]])

@@ -274,6 +274,44 @@ def test_in_proj_bias_data_assignment_right_before_compile():
         assert_close_scaled(compiled(query, key, value)[0], stock(query, key, value)[0], "compiled")
 
 
+@pytest.mark.parametrize("grad", (False, True), ids=("no_grad", "grad"))
+def test_key_bias_written_through_in_proj_bias_compiles_as_stock(grad):
+    """With ``add_bias_kv`` a key bias written into in_proj_bias shifts the keys against ``bias_k``
+    (as in stock): the compiled forward reads that middle slot as eager does (torch 2.4's Dynamo
+    cannot look into the packed Parameter subclass, so it reads it through a plain alias)."""
+    stock, slim = stock_and_slim(add_bias_kv=True)
+    for module in (stock, slim):
+        nn.init.normal_(module.in_proj_bias, generator=torch.Generator().manual_seed(3))
+    assert slim.in_proj_bias[E : 2 * E].abs().max() > 0.1  # the slot the compiled forward must read
+    query, key, value = inputs(stock)
+    compiled = torch.compile(slim, backend="aot_eager", fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        expected, expected_weights = stock(query, key, value)
+        eager, _ = slim(query, key, value)
+        actual, actual_weights = compiled(query, key, value)
+    assert_close_scaled(actual, expected, "compiled output")
+    assert_close_scaled(actual_weights, expected_weights, "compiled weights")
+    assert_close_scaled(actual, eager, "compiled against eager")
+    if grad:
+        parameters = list(slim.parameters())
+        eager_grads = torch.autograd.grad(eager.sum(), parameters)
+        for index, (a, b) in enumerate(zip(torch.autograd.grad(actual.sum(), parameters), eager_grads, strict=True)):
+            assert_close_scaled(a, b, f"grad of parameter {index}")
+
+
+def test_assigned_in_proj_bias_given_other_dtype_data_refuses_to_compile():
+    """An assigned plain Parameter is told nothing of ``.data = new``, and a trace may not re-point
+    the parameters: compiling then must fail, not use the old biases. (torch 2.4's Dynamo drops our
+    message and reports only "Observed exception".)"""
+    slim = SlimMultiheadAttention(E, H)
+    slim.in_proj_bias = nn.Parameter(torch.zeros(3 * E))
+    assigned = slim.in_proj_bias
+    assigned.data = torch.linspace(-1.0, 1.0, 3 * E, dtype=torch.float64)
+    query, key, value = inputs(slim)
+    with pytest.raises(RuntimeError, match="has not been folded into them yet|Observed exception"):
+        torch.compile(slim, backend="eager", fullgraph=True)(query, key, value)
+
+
 def test_requires_grad_on_in_proj_bias_freezes_the_biases_as_stock():
     stock, slim = stock_and_slim()
     stock.in_proj_bias.requires_grad_(False), slim.in_proj_bias.requires_grad_(False)
