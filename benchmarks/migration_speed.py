@@ -3,13 +3,16 @@
 Builds a synthetic sharded stock checkpoint of transformer layers (default 1 GiB in 4 shards) in a
 temporary directory, then, interleaved over ``--repeats`` rounds:
 
-* ``cp -r SRC DST`` (the baseline the issue names),
+* ``cp -r SRC DST`` (the baseline the issue names), and the same followed by an fsync of each copied
+  file, of DST and of its folder (what fold does before it reports success),
 * ``fold_checkpoint(SRC, DST)`` in this process (migration alone),
 * ``python -m slim_mha.migration fold SRC DST --quiet`` (end to end, including Python and torch start-up),
-* ``python -c "import slim_mha.migration.cli"`` (that start-up alone: a fixed cost, whatever the size).
+* ``python -c "import slim_mha.migration.cli, slim_mha.migration._migrate"`` (that start-up alone:
+  a fixed cost, whatever the size).
 
-Dirty pages are flushed (``os.sync``) between runs, outside the timings; the source stays in the
-page cache for all three, so each reads from memory and writes to the page cache alike.
+Dirty pages are flushed (``os.sync``) between runs, outside the timings. The source stays in the page
+cache for all of them, so each reads from memory; ``cp -r`` only writes to the page cache, while fold
+and ``cp -r + fsync`` also wait for the disk.
 
 Peak memory: each command runs in a fresh child that imports everything first, then resets the
 kernel's peak-RSS mark (``/proc/self/clear_refs``) and reports its peak (``VmHWM``) minus its RSS at
@@ -47,10 +50,14 @@ sys.path.insert(0, str(ROOT))
 from slim_mha.migration import fold_checkpoint  # noqa: E402
 
 EMBED = 1024
+# What a CLI run imports before it migrates anything (torch, safetensors, the migration modules): the
+# package imports ._migrate on first use, so importing the CLI module alone would leave most of it out.
+_IMPORTS = "import slim_mha.migration.cli, slim_mha.migration._migrate"
 # A child that imports everything, resets the kernel's peak-RSS mark (VmHWM, via clear_refs), runs the
 # CLI and reports "rss_at_start peak" in bytes: the peak covers the migration alone, not the imports.
-_CHILD = """
+_CHILD = f"""
 import sys
+{_IMPORTS}
 from slim_mha.migration.cli import main
 def status(field):
     with open("/proc/self/status") as f:
@@ -150,7 +157,7 @@ def run_many_tensors(work: Path, repeats: int) -> None:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = {
-        "start-up": lambda: subprocess.run([sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env=env),
+        "start-up": lambda: subprocess.run([sys.executable, "-c", _IMPORTS], check=True, env=env),
         **{
             f"CLI fold, {name}": lambda name=name: subprocess.run(
                 [sys.executable, "-m", "slim_mha.migration", "fold", str(files[name]),
@@ -168,6 +175,16 @@ def run_many_tensors(work: Path, repeats: int) -> None:
     for name, values in cli_times.items():
         rounds = " ".join(f"{value:.2f}" for value in values)
         print(f"{name:<44} {statistics.median(values):7.3f} s   {rounds}")
+
+
+def copy_and_fsync(source: Path, destination: Path) -> None:
+    subprocess.run(["cp", "-r", str(source), str(destination)], check=True)
+    for path in [*sorted(destination.iterdir()), destination, destination.parent]:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def timed(action) -> float:
@@ -218,6 +235,9 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
           f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     runs = {
         "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
+        # The same durability as fold, which fsyncs each file, the folder and the folder holding it
+        # before it reports success: cp alone leaves its writes in the page cache.
+        "cp -r + fsync": lambda: copy_and_fsync(source, work / "copy-fsync"),
         "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
         "fold (CLI)": lambda: subprocess.run(
             [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(work / "cli"), "--quiet"],
@@ -225,23 +245,25 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
         ),
         # The CLI's fixed cost: start Python and import torch, safetensors and migration.
         "start-up": lambda: subprocess.run(
-            [sys.executable, "-c", "import slim_mha.migration.cli"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            [sys.executable, "-c", _IMPORTS], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, action in runs.items():
             times[name].append(timed(action))
-        for leftover in ("copy", "api", "cli"):
+        for leftover in ("copy", "copy-fsync", "api", "cli"):
             shutil.rmtree(work / leftover)
     # "x cp" is the median over rounds of (this run / the cp run of the same round): robust to the
     # machine's load drifting between rounds.
-    print(f"\n{'command':<12} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6}   per round")
+    print(f"\n{'command':<14} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6} {'x cp+fsync':>10}   per round")
     for name, values in times.items():
         median = statistics.median(values)
-        ratio = statistics.median(value / copy for value, copy in zip(values, times["cp -r"]))
+        ratios = [statistics.median(value / copy for value, copy in zip(values, times[baseline]))
+                  for baseline in ("cp -r", "cp -r + fsync")]
         rounds = " ".join(f"{value:.2f}" for value in values)
-        print(f"{name:<12} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratio:6.2f}   {rounds}")
+        print(f"{name:<14} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratios[0]:6.2f} "
+              f"{ratios[1]:10.2f}   {rounds}")
 
     print(f"\npeak RSS during the run, above the RSS after imports; largest shard {max(sizes) / 2**20:.1f} MiB")
     # A torch pickle is one shard by definition: the largest shard, re-saved as a .pt.
