@@ -10,7 +10,6 @@ fail it when the mask stays put.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -18,31 +17,19 @@ from torch import nn
 
 import slim_mha
 from slim_mha import EquivarianceError, SlimMultiheadAttention, assert_permutation_equivariant, checking_equivariance
-from slim_mha.equivariance import ENVIRONMENT_VARIABLE, _mode
+from slim_mha.equivariance import _mode
 
 D_MODEL, HEADS, FEEDFORWARD = 16, 4, 32
 SOURCE, TARGET, BATCH = 7, 6, 2
 
 
-@pytest.fixture(autouse=True)
-def environment_off():
-    _mode._configure_environment(None)
-    yield
-    _mode._configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
+pytestmark = pytest.mark.usefixtures("fresh_equivariance_mode")  # tests/conftest.py
 
 
 @pytest.fixture
-def checked(monkeypatch) -> list:
+def checked(record_checks) -> list:
     """(module, is_causal hint) of each call the mode checked."""
-    seen = []
-    run = _mode._AttentionCheck.run
-
-    def recording_run(self, result):
-        seen.append((self.module, self.is_causal_hint))
-        return run(self, result)
-
-    monkeypatch.setattr(_mode._AttentionCheck, "run", recording_run)
-    return seen
+    return record_checks(lambda check: (check.module, check.is_causal_hint))
 
 
 def build_transformer(how: str) -> nn.Transformer:

@@ -1,0 +1,52 @@
+"""Fixtures shared by the tests of the equivariance assertion mode (none of them is autouse).
+
+A test file that exercises the mode starts each test from a known state with
+``pytestmark = pytest.mark.usefixtures("fresh_equivariance_mode")``, and records the calls the mode
+actually checked with ``record_checks``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from slim_mha.equivariance import ENVIRONMENT_VARIABLE, _mode
+
+
+@pytest.fixture
+def fresh_equivariance_mode(monkeypatch):
+    """The mode as a fresh process has it, whatever the shell set and whatever ran before.
+
+    The environment variable's mode is off, and the checks draw their permutation seeds from the
+    start of the mode's seed sequence, so a test sees the same permutations alone, in any order,
+    or after other tests that ran checks.
+    """
+    _mode._configure_environment(None)
+    monkeypatch.setattr(_mode, "_SEEDS", torch.Generator().manual_seed(_mode._SEEDS.initial_seed()))
+    yield
+    _mode._configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
+
+
+@pytest.fixture
+def record_checks(monkeypatch) -> Callable[[Callable], list]:
+    """``record_checks(what)`` returns a list that gets ``what(check)`` for each call the mode actually checks.
+
+    ``check`` is the mode's ``_AttentionCheck`` (``.module``, ``.is_causal_hint``, ``.seed``...), appended
+    in call order before it runs.
+    """
+
+    def start(what: Callable) -> list:
+        seen = []
+        run = _mode._AttentionCheck.run
+
+        def recording_run(self, result):
+            seen.append(what(self))
+            return run(self, result)
+
+        monkeypatch.setattr(_mode._AttentionCheck, "run", recording_run)
+        return seen
+
+    return start
