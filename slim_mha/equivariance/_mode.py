@@ -13,6 +13,9 @@ permutation ``Q`` and recomputes attention once on ``P query``, ``Q key``, ``Q v
 Attention must return ``P output`` and weights ``P W Qᵀ`` (appended ``add_bias_kv``/``add_zero_attn``
 columns stay last). One recomputation tests both properties: equivariance in the queries and
 invariance in the keys and values; only when it fails are they run apart, to say which broke.
+Both permutations come from :func:`draw_permutation`: from 4 tokens on, one cycle through all of
+them that commutes with no cyclic shift of the positions (nor their reversal), so that neither a
+leak at some positions nor one that is itself a shift (weight columns rolled by one) can pass.
 
 A causal call is checked through its mask. With an explicit ``attn_mask``, ``is_causal=True`` is only
 a hint that the mask is the causal one (``nn.TransformerDecoder`` sets it when it detects that mask),
