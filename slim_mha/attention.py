@@ -400,14 +400,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return _split_heads(projected, parts, self.num_heads, batch_first)
 
         bias = _packed_bias.fused_bias(self)
+        weight = self.in_proj_weight
+        if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
+            return heads(query, weight, bias)
+        # Split only past self-attention: the three slices cost 11 aten ops (launches) it never uses.
         b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
             return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, b_k) + heads(
                 value, self.v_proj_weight, b_v
             )
-        weight = self.in_proj_weight
-        if query is key and key is value:  # self-attention: one matmul
-            return heads(query, weight, bias)
         if key is value:  # encoder-decoder attention: one matmul for keys and values
             return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:])
         return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], b_k) + heads(value, weight[2 * E :], b_v)
