@@ -162,10 +162,15 @@ def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage) or 128 + N (signal N) and one
-    line on stderr."""
+    line on stderr.
+
+    Without ``argv`` it runs as the program, on ``sys.argv`` (both entry points call it so): Ctrl-C,
+    SIGTERM and SIGHUP are then ignored once the run is over, so that a Ctrl-C while Python shuts down
+    (torch takes a while) can neither print a traceback nor change the exit code.
+    """
     # The handlers go in first: torch (seconds to import) is imported by the run itself, inside the
     # guard below, so a Ctrl-C while it loads is one line too, not a traceback from the import.
-    with _Interrupts() as interrupts, cli_spelling(), journal() as record:
+    with _Interrupts(until_exit=argv is None) as interrupts, cli_spelling(), journal() as record:
         try:
             args = build_parser(prog).parse_args(argv)
         except KeyboardInterrupt:
@@ -230,12 +235,15 @@ def _leftovers(record: Journal) -> str:
 class _Interrupts:
     """Ctrl-C, SIGTERM and SIGHUP (what ``timeout``, docker and Slurm send) all raise KeyboardInterrupt,
     so every way of stopping a run cleans up the same way. Only the first one raises, and only while
-    the run is ``armed``: a second Ctrl-C cannot cut the cleanup short, nor a late one the message."""
+    the run is ``armed``: a second Ctrl-C cannot cut the cleanup short, nor a late one the message.
+    ``until_exit``: the process ends after the run, so the signals are then ignored instead of restored
+    (SIG_IGN, which Python keeps while it shuts down, whereas it resets its own handlers early on)."""
 
     _NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
 
-    def __init__(self) -> None:
+    def __init__(self, *, until_exit: bool = False) -> None:
         self.armed = True
+        self.until_exit = until_exit
         self.signal = signal.SIGINT  # the one that stopped the run: the exit code is 128 + its number
         self._previous: dict[int, object] = {}
 
@@ -253,8 +261,9 @@ class _Interrupts:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.armed = False  # also after a usage error or --help, which leave through SystemExit
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if self.until_exit else handler)
 
     def _interrupt(self, signum, frame) -> None:
         if self.armed:

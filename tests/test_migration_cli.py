@@ -318,8 +318,8 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert result.stderr == f"{prog} inspect: error: {tmp_path / 'missing.pt'}: no such file or directory\n"
 
 
-# A test-only hook (a sitecustomize.py put on PYTHONPATH, so it ships nowhere): it holds the first
-# import of one module in a sleep and says so, and the test's SIGINT lands inside that import.
+# Test-only hooks, run as sitecustomize.py from a folder put first on PYTHONPATH (they ship nowhere): each
+# touches READY at the point under test and waits there; the test then sends SIGINT and touches SENT.
 _HOLD_IMPORT = """\
 import pathlib, sys, time
 
@@ -334,23 +334,37 @@ class _HoldImport:
 sys.meta_path.insert(0, _HoldImport())
 """
 
+_HOLD_SHUTDOWN = """\
+import atexit, pathlib, time
 
-def _interrupt_during_import(module: str, command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    hook = cwd.parent / "hook"
-    hook.mkdir()
-    ready = cwd.parent / "ready"
-    (hook / "sitecustomize.py").write_text(_HOLD_IMPORT.format(module=module, ready=str(ready)))
+def _hold():  # registered first, so it runs last: the run is over and Python is shutting down
+    pathlib.Path({ready!r}).touch()
+    deadline = time.monotonic() + 120
+    while not pathlib.Path({sent!r}).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # where a handler still set would raise KeyboardInterrupt
+
+atexit.register(_hold)
+"""
+
+
+def _interrupted_at(hook: str, command: list[str], cwd: Path, **fields: str) -> subprocess.CompletedProcess:
+    ready, sent = cwd.parent / "ready", cwd.parent / "sent"
+    folder = cwd.parent / "hook"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(hook.format(ready=str(ready), sent=str(sent), **fields))
     environment = _environment()
-    environment["PYTHONPATH"] = os.pathsep.join([str(hook), environment["PYTHONPATH"]])
+    environment["PYTHONPATH"] = os.pathsep.join([str(folder), environment["PYTHONPATH"]])
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=environment)
     try:
         deadline = time.monotonic() + 180  # a busy machine
         while not ready.exists():
-            assert process.poll() is None, f"the run ended before importing {module}: {process.communicate()}"
-            assert time.monotonic() < deadline, f"the run never imported {module}"
+            assert process.poll() is None, f"the run ended before the point under test: {process.communicate()}"
+            assert time.monotonic() < deadline, "the run never reached the point under test"
             time.sleep(0.02)
         process.send_signal(signal.SIGINT)
+        sent.touch()
         stdout, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
@@ -373,7 +387,7 @@ def test_ctrl_c_during_an_import_is_one_line(tmp_path, module):
     save_file(prefixed(stock_attention(), "attn."), work / "stock.safetensors")
     before = tree_digest(work)
     command = [sys.executable, "-m", "slim_mha.migration", "fold", "stock.safetensors", "out.safetensors"]
-    result = _interrupt_during_import(module, command, work)
+    result = _interrupted_at(_HOLD_IMPORT, command, work, module=module)
     assert (result.returncode, result.stdout) == (130, "")
     assert result.stderr == "python -m slim_mha.migration fold: interrupted; nothing was written\n"
     assert tree_digest(work) == before and os.listdir(work) == ["stock.safetensors"]
@@ -385,10 +399,22 @@ def test_ctrl_c_during_the_console_scripts_imports_is_one_line(tmp_path):
         pytest.skip("slim-mha-migrate is not installed beside this Python")
     work = tmp_path / "work"
     work.mkdir()
-    result = _interrupt_during_import("slim_mha.migration._migrate", [script, "inspect", "missing.pt"], work)
+    command = [script, "inspect", "missing.pt"]
+    result = _interrupted_at(_HOLD_IMPORT, command, work, module="slim_mha.migration._migrate")
     assert (result.returncode, result.stdout) == (130, "")
     assert result.stderr == f"{PROG} inspect: interrupted; nothing was written\n"
     assert os.listdir(work) == []
+
+
+def test_ctrl_c_while_python_shuts_down_after_the_run_changes_nothing(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    save_file(prefixed(stock_attention(), "attn."), work / "stock.safetensors")
+    command = [sys.executable, "-m", "slim_mha.migration", "fold", "stock.safetensors", "out.safetensors"]
+    result = _interrupted_at(_HOLD_SHUTDOWN, command, work)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[-1] == "wrote out.safetensors (1 shard, 5 tensors, 1.09 KiB)"
+    assert "attn.q_proj_bias" in load_file(work / "out.safetensors")
 
 
 # ------------------------------------------------------------------------------------ truthful messages
