@@ -1,35 +1,59 @@
 """slim_mha: a faster nn.MultiheadAttention without the key bias, exact to stock."""
 
-from .attention import SlimMultiheadAttention
-from .convert import convert, fold_value_bias, to_stock
-from .patching import is_patched, patch, patched, unpatch
-from ._unread_weights import UnreadWeightsReport, UnreadWeightsSite, unread_weights_report
-from .equivariance import (
-    EquivarianceError,
-    assert_permutation_equivariant,
-    assert_permutation_invariant,
-    checking_equivariance,
-    format_permutation_error,
-    permutation_equivariance_error,
-)
+import importlib
+import sys
+import types
 
-__all__ = [
-    "SlimMultiheadAttention",
-    "patch",
-    "unpatch",
-    "patched",
-    "is_patched",
-    "convert",
-    "to_stock",
-    "fold_value_bias",
-    "unread_weights_report",
-    "UnreadWeightsReport",
-    "UnreadWeightsSite",
-    "EquivarianceError",
-    "checking_equivariance",
-    "assert_permutation_equivariant",
-    "assert_permutation_invariant",
-    "permutation_equivariance_error",
-    "format_permutation_error",
-]
+# Each public name and the submodule that defines it. They are imported on first use (PEP 562), all at
+# once, not here: importing torch takes seconds, and the slim-mha-migrate CLI, which lives in this
+# package, must be able to catch a Ctrl-C during that import (it imports torch inside its guard).
+_EXPORTS = {
+    "SlimMultiheadAttention": "attention",
+    "patch": "patching",
+    "unpatch": "patching",
+    "patched": "patching",
+    "is_patched": "patching",
+    "convert": "convert",
+    "to_stock": "convert",
+    "fold_value_bias": "convert",
+    "unread_weights_report": "_unread_weights",
+    "UnreadWeightsReport": "_unread_weights",
+    "UnreadWeightsSite": "_unread_weights",
+    "EquivarianceError": "equivariance",
+    "checking_equivariance": "equivariance",
+    "assert_permutation_equivariant": "equivariance",
+    "assert_permutation_invariant": "equivariance",
+    "permutation_equivariance_error": "equivariance",
+    "format_permutation_error": "equivariance",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def _bind_exports() -> None:
+    for name, module in _EXPORTS.items():
+        globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _bind_exports()
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``slim_mha.convert`` stays the function, as when this file imported everything: the import system
+    sets each submodule on its package, and the submodule ``slim_mha.convert`` must not replace it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return  # the name is bound by __getattr__, to the function
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 import threading
 import types
@@ -291,3 +292,30 @@ def test_modules_built_while_patched_compute_stock_and_pickle_without_patch():
 def test_public_api_is_exported():
     for name in ("patch", "unpatch", "patched", "is_patched", "convert", "to_stock", "fold_value_bias"):
         assert name in slim_mha.__all__ and callable(getattr(slim_mha, name))
+
+
+@pytest.mark.parametrize("first", ["import slim_mha", "import slim_mha.convert", "import slim_mha.migration.cli",
+                                   "from slim_mha import *"])
+def test_package_names_are_the_documented_objects_whatever_is_imported_first(first):
+    # The package binds its names on first use (so the migration CLI can import torch inside its
+    # Ctrl-C guard); a submodule imported first must not shadow the function of the same name.
+    probe = f"""
+import sys
+{first}
+torch_before = 'torch' in sys.modules
+import slim_mha, slim_mha.convert, types
+assert callable(slim_mha.convert) and not isinstance(slim_mha.convert, types.ModuleType), slim_mha.convert
+assert slim_mha.SlimMultiheadAttention.__module__ == 'slim_mha.attention'
+assert set(slim_mha.__all__) <= set(dir(slim_mha))
+print(torch_before)
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # `import slim_mha` alone no longer costs the torch import; the CLI module itself imports it lazily
+    if first in ("import slim_mha", "import slim_mha.migration.cli"):
+        assert done.stdout.strip() == "False"
+
+
+def test_unknown_package_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        slim_mha.no_such_name
