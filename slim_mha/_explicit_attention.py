@@ -46,17 +46,19 @@ def attention_with_weights(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
     check_weights_fit(q, k.shape[2], average=average, records_graph=records_graph)  # before any (B, H, L, S)
-    if records_graph or dropout_p > 0.0 or _functorch_transforms_active() or torch.compiler.is_compiling():
+    if records_graph or dropout_p > 0.0 or _functorch_transforms_active() or torch.jit.is_tracing():
         return _attention_functional(q, k, v, mask, dropout_p, average)
     rows = _query_rows_per_block(q, k.shape[2]) if average else q.shape[2]
     if rows < q.shape[2]:
         return _attention_averaged_in_blocks(q, k, v, mask, rows)
     B, H, L, D = q.shape
-    scores = _scores(q, _matrices(k)).view(B, H, L, k.shape[2])
+    S = k.shape[2]
+    # Explicit sizes in every view, never -1: an empty batch or sequence leaves -1 undetermined.
+    scores = _scores(q, _matrices(k)).view(B, H, L, S)
     if mask is not None:
         scores.add_(mask)
     torch.softmax(scores, dim=-1, out=scores)
-    out = torch.bmm(scores.view(B * H, L, -1), _matrices(v)).view(B, H, L, D)
+    out = torch.bmm(scores.view(B * H, L, S), _matrices(v)).view(B, H, L, D)
     return out, _mean_over_heads(scores) if average else scores
 
 
@@ -91,11 +93,12 @@ def _attention_averaged_in_blocks(
     weights = q.new_empty(B, L, S)
     for start in range(0, L, rows):
         block = slice(start, min(start + rows, L))
-        scores = _scores(q[:, :, block], k).view(B, H, -1, S)  # (B, H, rows, S)
+        block_rows = block.stop - block.start
+        scores = _scores(q[:, :, block], k).view(B, H, block_rows, S)  # (B, H, rows, S)
         if mask is not None:
             scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])
         torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, block] = torch.bmm(scores.view(B * H, -1, S), v).view(B, H, -1, D)
+        out[:, :, block] = torch.bmm(scores.view(B * H, block_rows, S), v).view(B, H, block_rows, D)
         weights[:, block] = _mean_over_heads(scores)
         del scores  # freed before the next block's scores are allocated, which then reuse its memory
     return out, weights

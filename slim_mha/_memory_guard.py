@@ -185,7 +185,11 @@ def _system_available(meminfo_path: str = "/proc/meminfo", overcommit_path: str 
 
 
 def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """Least ``limit - usage + inactive file cache`` over this process's memory cgroup and its ancestors."""
+    """Least ``limit - usage + file cache`` over this process's memory cgroup and its ancestors.
+
+    Usage counts the page cache, and the kernel reclaims all of it, active and inactive, before it
+    refuses an allocation, so both lists count as headroom (shared memory is not on them).
+    """
     try:
         with open(proc_cgroup) as cgroups:
             lines = cgroups.read().splitlines()
@@ -196,16 +200,18 @@ def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":  # v2
-            base, files = root, ("memory.max", "memory.current", "inactive_file")
+            base, files = root, ("memory.max", "memory.current", ("active_file", "inactive_file"))
         elif "memory" in controllers.split(","):  # v1
-            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base, files = os.path.join(root, "memory"), (
+                "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file")
+            )
         else:
             continue
         headrooms += _headrooms_along(base, path, *files)
     return min(headrooms) if headrooms else None
 
 
-def _headrooms_along(base: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[int]:
+def _headrooms_along(base: str, path: str, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> list[int]:
     """Headroom of every cgroup directory from ``base/path`` up to ``base`` that sets a limit.
 
     Inside a cgroup namespace ``path`` may not exist under ``base`` (``base`` is then the process's
@@ -224,7 +230,8 @@ def _headrooms_along(base: str, path: str, limit_file: str, usage_file: str, ina
                 usage = int(file.read())
         except (OSError, ValueError):
             continue
-        headrooms.append(int(text) - usage + _stat_field(os.path.join(directory, "memory.stat"), inactive_key))
+        stat = os.path.join(directory, "memory.stat")
+        headrooms.append(int(text) - usage + sum(_stat_field(stat, key) for key in cache_keys))
     return headrooms
 
 

@@ -36,9 +36,12 @@ from torch import Tensor
 from torch.nn.parameter import Parameter
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["STATE_KEY", "assign", "create", "fused_bias", "is_transforming", "set_middle", "stock_view", "sync"]
+__all__ = [
+    "STATE_KEY", "assign", "create", "fused_bias", "is_packed", "own_storage", "is_transforming", "set_middle", "stock_view", "sync"
+]
 
 STATE_KEY = _STATE = "_packed_bias_state"
+_STAND_IN = "_in_proj_bias_stand_in"  # a plain tensor assigned to in_proj_bias (see assign)
 _PARTS = ("q_proj_bias", "k_proj_bias", "v_proj_bias")  # the order of the packed slices
 # Flags that loaders put on tensors they filled (Hugging Face's init guard skips tensors carrying
 # ``_is_hf_initialized``): the packed view carries one when every part of it does, so that an
@@ -46,16 +49,28 @@ _PARTS = ("q_proj_bias", "k_proj_bias", "v_proj_bias")  # the order of the packe
 _LOADED_FLAGS = ("_is_hf_initialized",)
 
 
-_set_data = torch._C.TensorBase.data.__set__  # re-point a tensor without our notification
+# The tensor attributes themselves, bypassing PackedParameter's overrides.
+_set_data = torch._C.TensorBase.data.__set__
+_get_grad = torch._C.TensorBase.grad.__get__
+_set_grad = torch._C.TensorBase.grad.__set__
+_get_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_set_requires_grad = torch._C.TensorBase.requires_grad.__set__
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # packed tensor -> weakref to its module
 
 
 class PackedParameter(Parameter):
-    """The ``in_proj_bias`` object: ``.data = new`` on it is taken in by the bias parameters at once.
+    """The ``in_proj_bias`` object: stock's idioms on it reach the bias parameters at once.
 
-    open_clip's ``t.data = t.data.to(torch.bfloat16)`` re-points the object it read; the module
-    is told right away (outside traces and transforms), so no forward, compiled or not, ever sees
-    the parameters and the packed view disagree. The forward still verifies, as for every change.
+    * ``.data = new`` (open_clip's ``t.data = t.data.to(torch.bfloat16)``) is taken in by the
+      parameters right away (outside traces and transforms), so no forward, compiled or not, ever
+      sees the parameters and the packed view disagree. The forward still verifies, as for every change.
+    * ``.requires_grad_(flag)`` and ``.requires_grad = flag`` reach the parameters at once, so a
+      wrapper built next (DDP) sees the frozen bias as frozen.
+    * ``.grad`` is the parameters' gradients, packed as stock's ``[g_q; g_k; g_v]`` into one tensor
+      that their ``.grad`` are views of: an optimizer or ``clip_grad_norm_`` handed ``in_proj_bias``
+      reads and scales the gradients that autograd gave the parameters, and its in-place update of
+      ``in_proj_bias`` is an update of their memory. A dropped key bias reads a zero gradient (stock's
+      is zero up to rounding: softmax ignores the shift).
     """
 
     @property
@@ -65,10 +80,38 @@ class PackedParameter(Parameter):
     @data.setter
     def data(self, value: Tensor) -> None:
         _set_data(self, value)
-        owner = _OWNERS.get(self)
-        module = owner() if owner is not None else None
+        module = _owner(self)
         if module is not None and not is_transforming():
             sync(module)
+
+    @property
+    def grad(self) -> Tensor | None:
+        module = _owner(self)
+        if module is None or is_transforming():
+            return _get_grad(self)
+        return _gather_gradient(module, self)
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        module = _owner(self)
+        if module is None or is_transforming():
+            _set_grad(self, value)
+        else:
+            _scatter_gradient(module, self, value)
+
+    @property
+    def requires_grad(self) -> bool:
+        return _get_requires_grad(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _set_requires_grad(self, value)
+        _parts_follow_flag(self)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "PackedParameter":
+        torch._C.TensorBase.requires_grad_(self, requires_grad)
+        _parts_follow_flag(self)
+        return self
 
 
 class PackedBias:
@@ -80,6 +123,10 @@ class PackedBias:
     def __init__(self, module, packed: Tensor, parts: tuple) -> None:
         self.packed = packed
         self.hooked = False
+        # in_proj_bias.grad: the (3E,) tensor the parameters' .grad were last made views of, and those views.
+        self.gradient = None
+        self.gradient_views = (None, None, None)
+        self.earlier = None  # the state an assigned in_proj_bias replaced (see assign)
         # A PackedParameter takes in ``.data = new`` at once (outside transforms); an assigned plain
         # Parameter is only checked at the next eager use.
         self.notifies = isinstance(packed, PackedParameter)
@@ -117,10 +164,34 @@ def create(module, *, bias: bool, keep_key: bool, factory: dict) -> None:
     _register_views(module, PackedParameter(torch.zeros(3 * module.embed_dim, **factory)), keep_key, True)
 
 
-def assign(module, value: Tensor, *, keep_key: bool) -> None:
-    """``module.in_proj_bias = value`` (a ``(3E,)`` Parameter): it becomes the packed tensor, as stock
-    registers the object; new bias parameters (with its ``requires_grad``) are views of it.
-    ``None`` removes the input biases, as ``bias=False``."""
+def assign(module, value: Tensor | None, *, keep_key: bool) -> None:
+    """``module.in_proj_bias = value``, as stock takes each kind of value.
+
+    * A ``(3E,)`` ``Parameter`` becomes the packed tensor, as stock registers the object: new bias
+      parameters (with its ``requires_grad``) are views of it. Assigning back a packed tensor that
+      this module had before restores the parameter objects of that time, so a swap and its undo
+      (``torch.func.functional_call``) leave the module with the very objects optimizers hold.
+    * A plain tensor is a stand-in: the forward uses it as stock's ``in_proj_bias`` (its key slot
+      too) until the packed tensor is assigned back. This is how ``functional_call`` with stock's
+      parameter names swaps it in (stock writes its registry directly; it is not registered here).
+    * ``None`` removes the input biases, as ``bias=False``.
+    """
+    module.__dict__.pop(_STAND_IN, None)
+    state = module.__dict__.get(_STATE)
+    if value is not None and not isinstance(value, Parameter):
+        module.__dict__[_STAND_IN] = value
+        return
+    if state is not None and value is state.packed:
+        return
+    earlier = state.earlier if state is not None else None
+    while earlier is not None and earlier.packed is not value:
+        earlier = earlier.earlier
+    if earlier is not None:
+        for name, part in zip(_PARTS, earlier.parts):
+            module.register_parameter(name, part)
+        module.__dict__[_STATE] = earlier
+        sync(module)
+        return
     if value is None:
         for name in _PARTS:
             module.register_parameter(name, None)
@@ -129,6 +200,27 @@ def assign(module, value: Tensor, *, keep_key: bool) -> None:
     if not value.is_contiguous():
         value = Parameter(value.detach().contiguous(), requires_grad=value.requires_grad)
     _register_views(module, value, keep_key, value.requires_grad)
+    module.__dict__[_STATE].earlier = state
+
+
+def own_storage(view: Tensor) -> Tensor:
+    """``view``'s memory under a storage object of its own (through DLPack), for state dicts.
+
+    The bias parameters are views of one packed storage. Tools that find shared tensors by their
+    storage (safetensors' ``save_model``, accelerate's ``save_model``) would take ``q_proj_bias`` and
+    ``v_proj_bias`` in a state dict for one tensor saved twice, and drop or refuse one. Entries with
+    storages of their own are the separate tensors they are, and writes to them still reach the
+    parameters (EMA code copies into ``state_dict()``'s tensors). The parameters themselves stay
+    plain views: ``share_memory()`` and Hogwild move their one storage as a whole.
+    """
+    # Plain dense tensors on CPU or CUDA only: a wrapper subclass (FSDP's DTensor) has no memory of
+    # its own to export, and DLPack of one crashes rather than raising.
+    if type(view) is not Tensor or view.layout != torch.strided or view.device.type not in ("cpu", "cuda"):
+        return view
+    try:
+        return torch.from_dlpack(view)
+    except (RuntimeError, BufferError, TypeError, ValueError):
+        return view
 
 
 def _register_views(module, packed: Tensor, keep_key: bool, requires_grad: bool) -> None:
@@ -148,6 +240,9 @@ def fused_bias(module) -> Tensor | None:
     is the answer and costs nothing. Otherwise one ``cat`` of the parameters (gradients flow to
     them only; the middle slot is detached).
     """
+    stand_in = module.__dict__.get(_STAND_IN)
+    if stand_in is not None:
+        return stand_in
     parts = _current_parts(module)
     if _absent(parts):
         return None
@@ -172,17 +267,28 @@ def fused_bias(module) -> Tensor | None:
 def stock_view(module) -> Tensor | None:
     """What ``in_proj_bias`` returns: the packed tensor itself wherever aliasing holds or can be made.
 
-    Under a trace or a transform, or when the parameters cannot be aliased (not plain registered
-    ``Parameter`` objects of one dtype and device, e.g. FSDP's DTensors), a computed tensor is
-    returned: reading it is exact, writing to it reaches nothing.
+    A stand-in (see :func:`assign`) while one is set. Under a trace or a transform, a computed
+    tensor. When the parameters cannot be aliased (their memory is managed by someone else:
+    ``vector_to_parameters``, FSDP), a :class:`ComputedStockBias`: reading it is exact, writing to
+    it or handing it to an optimizer raises, since that would reach nothing.
     """
-    packed = sync(module)
+    stand_in = module.__dict__.get(_STAND_IN)
+    if stand_in is not None:
+        return stand_in
+    # New parameter objects are taken in where their memory is their own (a loader's setattr), as
+    # train() does; memory someone else manages (FSDP's) is left alone.
+    packed = sync(module, take_new_parameters=True)
     if packed is not None:
         return packed
     parts = _current_parts(module)
     if _absent(parts):
         return None
-    return _concatenate(module, module.__dict__.get(_STATE), parts)
+    computed = _concatenate(module, module.__dict__.get(_STATE), parts)
+    if is_transforming():
+        return computed
+    computed = computed.as_subclass(ComputedStockBias)
+    _copy_loaded_flags(computed, parts)
+    return computed
 
 
 def sync(module, *, take_new_parameters: bool = False, owned: bool = False) -> Tensor | None:
@@ -239,6 +345,138 @@ def set_middle(module, value: Tensor | None) -> None:
     if middle is not None:
         with torch.no_grad():
             middle.zero_() if value is None else middle.copy_(value)
+
+
+def is_packed(module, tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the packed tensor that ``module.in_proj_bias`` returns."""
+    state = module.__dict__.get(_STATE)
+    return state is not None and tensor is state.packed
+
+
+def _owner(packed: Tensor):
+    """The module whose live packed tensor ``packed`` is, or None (replaced, or its module is gone)."""
+    owner = _OWNERS.get(packed)
+    module = owner() if owner is not None else None
+    if module is None:
+        return None
+    state = module.__dict__.get(_STATE)
+    return module if state is not None and state.packed is packed else None
+
+
+def _parts_follow_flag(packed: Tensor) -> None:
+    module = _owner(packed)
+    if module is not None and not is_transforming():
+        _sync_flags(module, module.__dict__[_STATE], _current_parts(module))
+
+
+def _gather_gradient(module, packed: Tensor) -> Tensor | None:
+    """``in_proj_bias.grad``: the parameters' gradients as one ``(3E,)`` tensor their ``.grad`` view.
+
+    The parameters' ``.grad`` are the truth (autograd, DDP and optimizers over ``parameters()`` use
+    them); this only makes them views of one tensor again where something replaced them (a first
+    backward, ``zero_grad(set_to_none=True)``, ``create_graph``), copying their values.
+    """
+    if sync(module) is None:
+        raise RuntimeError(_unaliased_message("reading in_proj_bias.grad (an optimizer or clip_grad_norm_ does)"))
+    state = module.__dict__[_STATE]
+    parts = _current_parts(module)
+    grads = tuple(None if part is None else part.grad for part in parts)
+    if all(grad is None for grad in grads):
+        state.gradient = None
+        return None
+    if state.gradient is not None and _same_objects(grads, state.gradient_views):
+        return state.gradient
+    E = module.embed_dim
+    reference = _first_present(grads)
+    gradient = torch.zeros(3 * E, dtype=reference.dtype, device=reference.device)
+    with torch.no_grad():
+        for index, (part, grad) in enumerate(zip(parts, grads)):
+            if grad is not None:
+                gradient[index * E : (index + 1) * E].copy_(grad)
+                part.grad = gradient[index * E : (index + 1) * E]
+    state.gradient = gradient
+    state.gradient_views = tuple(None if part is None else part.grad for part in parts)
+    return gradient
+
+
+def _scatter_gradient(module, packed: Tensor, value: Tensor | None) -> None:
+    """``in_proj_bias.grad = value``: the parameters' ``.grad`` become views of ``value`` (or None)."""
+    if sync(module) is None:
+        raise RuntimeError(_unaliased_message("assigning in_proj_bias.grad"))
+    state = module.__dict__[_STATE]
+    parts = _current_parts(module)
+    E = module.embed_dim
+    _set_grad(packed, None)
+    if value is not None and tuple(value.shape) != (3 * E,):
+        raise RuntimeError(
+            f"assigned grad has data of a different size: in_proj_bias is ({3 * E},), got {tuple(value.shape)}"
+        )
+    for index, part in enumerate(parts):
+        if part is not None:
+            part.grad = None if value is None else value[index * E : (index + 1) * E]
+    state.gradient = value
+    state.gradient_views = tuple(None if part is None else part.grad for part in parts)
+
+
+def _unaliased_message(what: str) -> str:
+    return (
+        f"slim_mha: {what} cannot reach q_proj_bias/v_proj_bias: their memory is managed by someone else "
+        "(vector_to_parameters, FSDP or another wrapper re-pointed them), so in_proj_bias is a computed "
+        "copy here. Use q_proj_bias and v_proj_bias instead, or give them memory of their own again with "
+        "module.to(module.q_proj_bias.device)"
+    )
+
+
+class ComputedStockBias(Tensor):
+    """``in_proj_bias`` where it cannot be the parameters' memory: reads are exact, writes refuse.
+
+    Stock code writes ``in_proj_bias`` in place (``nn.init.zeros_``, ``.copy_``, ``.data = ...``) or
+    hands it to an optimizer. On a computed copy those would change nothing, silently; here they
+    raise instead. Reads (and gradients of computations with it) reach the parameters as usual.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _writes(func, kwargs):
+            name = getattr(func, "__name__", str(func))
+            raise RuntimeError(_unaliased_message(f"writing in_proj_bias ({name})"))
+        if _is_attribute_access(func, Tensor.grad, "__get__"):
+            raise RuntimeError(_unaliased_message("reading in_proj_bias.grad (an optimizer or clip_grad_norm_ does)"))
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        # Views of it (``.data``, ``.detach()``, slices) refuse writes too; new tensors are plain.
+        if isinstance(result, Tensor) and not isinstance(result, cls) and _shares_memory(result, args):
+            return result.as_subclass(cls)
+        return result
+
+
+def _writes(func, kwargs: dict) -> bool:
+    if any(_is_attribute_access(func, attribute, "__set__") for attribute in (Tensor.data, Tensor.grad, Tensor.requires_grad)):
+        return True
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place or name.startswith("__i") or name == "__setitem__" or kwargs.get("out") is not None
+
+
+def _is_attribute_access(func, attribute, kind: str) -> bool:
+    # Each ``Tensor.grad.__get__`` is a new bound method object: compare what it is bound to.
+    return getattr(func, "__name__", "") == kind and getattr(func, "__self__", None) is attribute
+
+
+def _shares_memory(result: Tensor, args) -> bool:
+    try:
+        address = result.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    for arg in args:
+        if isinstance(arg, ComputedStockBias):
+            try:
+                if arg.untyped_storage().data_ptr() == address:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                pass
+    return False
 
 
 # ----------------------------------------------------------------------------------- internals
@@ -309,7 +547,7 @@ def _traceable_packed(state: PackedBias) -> Tensor:
     Dynamo on torch 2.4 cannot look into a Parameter subclass. The alias is current there: a
     PackedParameter takes in new data when it is given it, and ``record`` makes a new alias.
     """
-    if state.notifies and torch.compiler.is_compiling():
+    if state.notifies and (torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return state.memory
     return state.packed
 
@@ -417,20 +655,26 @@ def _sync_flags(module, state: PackedBias, parts: tuple) -> None:
     """``requires_grad`` and loaders' flags: the packed tensor and its parts agree, whoever changed."""
     packed = state.packed
     present = [p for p in parts if p is not None]
-    if packed.requires_grad != state.requires_grad:  # requires_grad_ on in_proj_bias: parts follow
+    packed_flag = _get_requires_grad(packed)
+    if packed_flag != state.requires_grad:  # requires_grad_ on in_proj_bias: parts follow
         for part in present:
-            part.requires_grad_(packed.requires_grad)
+            part.requires_grad_(packed_flag)
     else:
         wanted = any(p.requires_grad for p in present)
-        if packed.requires_grad != wanted:
+        if packed_flag != wanted:
             try:
-                packed.requires_grad_(wanted)
+                torch._C.TensorBase.requires_grad_(packed, wanted)
             except RuntimeError:  # an inference tensor outside inference mode keeps its flag
                 pass
-    state.requires_grad = packed.requires_grad
+    state.requires_grad = _get_requires_grad(packed)
     if packed.requires_grad and not state.hooked:
         packed.register_post_accumulate_grad_hook(_GradientRouter(module))
         state.hooked = True
+    _copy_loaded_flags(packed, parts)
+
+
+def _copy_loaded_flags(packed: Tensor, parts: tuple) -> None:
+    present = [p for p in parts if p is not None]
     for flag in _LOADED_FLAGS:
         if all(getattr(p, flag, False) for p in present):
             setattr(packed, flag, True)
@@ -450,7 +694,8 @@ class _GradientRouter:
         self.module = weakref.ref(module)
 
     def __call__(self, packed: Tensor) -> None:
-        grad, packed.grad = packed.grad, None
+        grad = _get_grad(packed)
+        _set_grad(packed, None)
         module = self.module()
         if module is None or grad is None:
             return

@@ -189,19 +189,32 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         super().__setattr__(name, value)
 
     def _assign_in_proj_bias(self, value: Tensor | None) -> None:
-        if value is not None and not isinstance(value, Parameter):
+        if value is not None and not isinstance(value, Tensor):
             raise TypeError(
                 f"cannot assign '{torch.typename(value)}' as parameter 'in_proj_bias' "
                 "(torch.nn.Parameter or None expected)"
             )
-        if value is not None and tuple(value.shape) != (3 * self.embed_dim,):
+        if value is not None and tuple(value.shape[-1:]) != (3 * self.embed_dim,):
             raise ValueError(
                 f"in_proj_bias must have shape ({3 * self.embed_dim},) = 3*embed_dim, "
                 f"got {tuple(value.shape)}"
             )
-        # As stock registers the object: it becomes the packed tensor, its key slice included (used
-        # exactly as stock uses b_k), and new bias parameters are views of it.
+        # A Parameter is registered as stock registers the object (its key slice used exactly as
+        # stock uses b_k); a plain tensor stands in for it, as torch.func.functional_call swaps it.
         _packed_bias.assign(self, value, keep_key=keeps_key_bias(add_zero_attn=self.add_zero_attn))
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        if name == _STOCK_BIAS:  # as stock: registering it is assigning it
+            self._assign_in_proj_bias(param)
+            return
+        if param is not None and _packed_bias.is_packed(self, param):
+            # torch.nn.utils.prune re-registers the tensor it prunes as '<name>_orig' first.
+            raise ValueError(
+                f"cannot register in_proj_bias as parameter {name!r}: SlimMultiheadAttention's parameters are "
+                "q_proj_bias and v_proj_bias (in_proj_bias is their packed view, not a registered parameter). "
+                "Prune or re-register q_proj_bias/v_proj_bias instead, or use slim_mha.to_stock(module)"
+            )
+        super().register_parameter(name, param)
 
     def _slim_biases(self) -> SlimBiases:
         return SlimBiases(self.q_proj_bias, self.v_proj_bias, self.k_proj_bias, self.bias_k)
@@ -260,6 +273,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         _packed_bias.sync(self)  # take in any in_proj_bias.data = ... first
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:
+            for name in _SPLIT_BIASES:
+                if prefix + name in destination:
+                    destination[prefix + name] = _packed_bias.own_storage(destination[prefix + name])
         middle = _packed_bias.stock_middle(self)
         if self.bias_k is not None and middle is not None and bool(middle.any()):
             # Our layout stores bias_k relative to a zero key slot: fold a written slot into it.
@@ -360,6 +377,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if need_weights:
             out, weights = attention_with_weights(q, k, v, mask, dropout_p, average_attn_weights)
         else:
+            if mask is not None and self.q_proj_bias is not None and self.v_proj_bias is None:
+                _refuse_rows_masked_from_every_key(mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
 
@@ -391,8 +410,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         """Input projections, fused as far as the inputs allow; returns ``(B, H, len, D)`` views."""
         E = self.embed_dim
 
-        def heads(x: Tensor, weight: Tensor, bias: Tensor | None) -> list[Tensor]:
-            parts = weight.shape[0] // E
+        def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int = 1) -> list[Tensor]:
+            # parts is passed, not read off weight.shape: under jit.trace a size read becomes a graph
+            # value, and its conversion back to int lands at different places in the two traces.
             if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
                 projected = F.linear(x, weight) + bias
             else:
@@ -402,7 +422,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias = _packed_bias.fused_bias(self)
         weight = self.in_proj_weight
         if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
-            return heads(query, weight, bias)
+            return heads(query, weight, bias, 3)
         # Split only past self-attention: the three slices cost 11 aten ops (launches) it never uses.
         b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
@@ -410,7 +430,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 value, self.v_proj_weight, b_v
             )
         if key is value:  # encoder-decoder attention: one matmul for keys and values
-            return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:])
+            return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:], 2)
         return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], b_k) + heads(value, weight[2 * E :], b_v)
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -469,7 +489,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 )
             if appended:
                 key_padding_mask = F.pad(key_padding_mask, (0, appended))
-            key_padding_mask = key_padding_mask.view(batch, 1, 1, -1)  # (B, 1, 1, S')
+            key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len + appended)  # (B, 1, 1, S')
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         return attn_mask, False
 
@@ -523,6 +543,21 @@ def _refuse_stock_checkpoint_dropped_by_loader(module: SlimMultiheadAttention) -
         )
 
 
+def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:
+    """A folded value bias is exact only where attention rows sum to one (see fold_value_bias).
+
+    A query masked from every key has a row of zeros: stock outputs ``out_proj.bias`` there, while
+    the folded bias adds ``W_o b_v``. The fold cannot be undone here, so such a call is refused.
+    """
+    if bool(torch.isneginf(mask).all(dim=-1).any()):
+        raise RuntimeError(
+            "slim_mha: a query row is masked from every key, and this module's value bias was folded into "
+            "out_proj.bias (fold_value_bias), which is exact only where each query attends to some key "
+            "(stock outputs out_proj.bias on such a row, the fold adds W_o·b_v). Use the unfolded module "
+            "for inputs like this, or leave at least one key unmasked per query"
+        )
+
+
 def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:
     """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
 
@@ -532,7 +567,9 @@ def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: boo
     """
     d0, d1, width = projected.shape
     head_dim = width // (parts * num_heads)
-    if not projected.requires_grad:
+    # A trace takes the graph-recording form always: jit.trace's check re-traces without a graph,
+    # and the two traces must agree.
+    if not projected.requires_grad and not torch.jit.is_tracing():
         heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
         return list(heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)).unbind(0))
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)

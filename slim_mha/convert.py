@@ -79,6 +79,13 @@ def to_stock(module: nn.Module) -> nn.Module:
         ``module``, or the new stock module when ``module`` itself is a slim attention module.
     """
     _refuse_parametrized(module, SlimMultiheadAttention, "slim attention module", "to_stock")
+    for name, child in module.named_modules():
+        if _is_slim(child) and child.q_proj_bias is not None and child.v_proj_bias is None:
+            raise ValueError(
+                f"to_stock: module {_describe(name)} had its value bias folded into out_proj.bias "
+                "(fold_value_bias), which stock cannot represent exactly: on a query row masked from every "
+                "key stock outputs out_proj.bias, the fold adds W_o·b_v. Convert the model before folding it"
+            )
     return _swap_modules(module, _is_slim, _build_stock)
 
 
@@ -90,7 +97,9 @@ def fold_value_bias(module: nn.Module) -> nn.Module:
     ``add_bias_kv`` value token, which is not projected, becomes ``bias_v - b_v`` to match. This
     fails when dropout rescales attention rows (training with ``dropout > 0``) and with
     ``add_zero_attn``, whose zero value token cannot absorb ``-b_v``: both are refused, before any
-    module is changed. Afterwards ``v_proj_bias`` is ``None``; a state dict saved from the folded
+    module is changed. It fails too on a query row masked from every key, whose attention row is
+    zero (stock outputs ``b_o`` there): a folded module refuses such a call, and :func:`to_stock`
+    refuses a folded module. Afterwards ``v_proj_bias`` is ``None``; a state dict saved from the folded
     model loads into a model folded the same way.
 
     Modules without a value bias (``bias=False``, already folded) are skipped, so folding twice is

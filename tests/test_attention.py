@@ -551,8 +551,10 @@ def test_assigning_in_proj_bias_rejects_bad_values():
     _, slim = stock_and_slim()
     with pytest.raises(ValueError, match=r"in_proj_bias must have shape \(48,\) = 3\*embed_dim, got \(32,\)"):
         slim.in_proj_bias = nn.Parameter(torch.zeros(2 * E))
-    with pytest.raises(TypeError, match="cannot assign 'torch.FloatTensor' as parameter 'in_proj_bias'"):
-        slim.in_proj_bias = torch.zeros(3 * E)
+    with pytest.raises(TypeError, match="cannot assign 'list' as parameter 'in_proj_bias'"):
+        slim.in_proj_bias = [0.0] * (3 * E)
+    with pytest.raises(ValueError, match=r"in_proj_bias must have shape \(48,\) = 3\*embed_dim, got \(32,\)"):
+        slim.in_proj_bias = torch.zeros(2 * E)
     slim.in_proj_bias = None
     assert slim.in_proj_bias is None and slim.q_proj_bias is None and slim.v_proj_bias is None
     x = torch.randn(L_TGT, BATCH, E)

@@ -217,7 +217,33 @@ def test_fold_value_bias_keeps_the_eval_function(config):
     assert slim.v_proj_bias is None and "v_proj_bias" not in slim.state_dict()
     assert sum(p.numel() for p in slim.parameters()) == saved - E
     assert_same_function(slim, stock, inputs)
-    assert_same_function(to_stock(slim), stock, inputs)
+    with pytest.raises(ValueError) as refused:
+        to_stock(slim)
+    assert str(refused.value) == (
+        "to_stock: module (the root) had its value bias folded into out_proj.bias (fold_value_bias), which stock "
+        "cannot represent exactly: on a query row masked from every key stock outputs out_proj.bias, the fold "
+        "adds W_o·b_v. Convert the model before folding it"
+    )
+
+
+def test_a_folded_module_refuses_a_query_row_masked_from_every_key():
+    """Stock outputs out_proj.bias on such a row (its attention row is zero); the fold would add W_o b_v."""
+    stock = stock_attention(dict(bias=True, batch_first=True)).eval()
+    slim = fold_value_bias(convert(copy.deepcopy(stock)).eval())
+    x = torch.randn(2, 5, E, dtype=stock.out_proj.weight.dtype)
+    open_mask = torch.zeros(5, 5, dtype=torch.bool)
+    closed_row = open_mask.clone()
+    closed_row[3] = True
+    with torch.no_grad():
+        for mask in (open_mask, torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)):
+            assert_close_scaled(slim(x, x, x, attn_mask=mask, need_weights=False)[0],
+                                stock(x, x, x, attn_mask=mask, need_weights=False)[0], "folded, masked")
+        with pytest.raises(RuntimeError, match="a query row is masked from every key, and this module's value bias was folded"):
+            slim(x, x, x, attn_mask=closed_row, need_weights=False)
+        padding = torch.zeros(2, 5, dtype=torch.bool)
+        padding[1] = True  # an empty set: sample 1 has no valid key at all
+        with pytest.raises(RuntimeError, match="masked from every key"):
+            slim(x, x, x, key_padding_mask=padding, need_weights=False)
 
 
 def test_fold_value_bias_over_a_tree_is_idempotent_and_state_dicts_round_trip():

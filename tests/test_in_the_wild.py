@@ -337,7 +337,13 @@ def test_gradients_of_code_using_in_proj_bias_itself_reach_the_parameters(name):
     assert_close_scaled(slim.v_proj_bias.grad, stock_grad[2 * E :], "v_proj_bias.grad")
     if slim.k_proj_bias is not None:
         assert_close_scaled(slim.k_proj_bias.grad, stock_grad[E : 2 * E], "k_proj_bias.grad")
-    assert slim.in_proj_bias.grad is None  # routed, not left where no optimizer looks
+    # Routed to the parameters, and in_proj_bias.grad reads them back packed, as stock's reads
+    # (a dropped key bias, which has no parameter, reads zero).
+    packed_grad = slim.in_proj_bias.grad
+    assert_close_scaled(packed_grad[:E], stock_grad[:E], "in_proj_bias.grad[:E]")
+    assert_close_scaled(packed_grad[2 * E :], stock_grad[2 * E :], "in_proj_bias.grad[2E:]")
+    middle = stock_grad[E : 2 * E] if slim.k_proj_bias is not None else torch.zeros(E, dtype=stock_grad.dtype)
+    assert_close_scaled(packed_grad[E : 2 * E], middle, "in_proj_bias.grad[E:2E]")
 
 
 def test_an_optimizer_step_after_routed_gradients_matches_stock():

@@ -232,18 +232,19 @@ def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
     (v2 / "jobs" / "one").mkdir(parents=True)
     (v2 / "jobs" / "memory.max").write_text("8000\n")
     (v2 / "jobs" / "memory.current").write_text("3000\n")
-    (v2 / "jobs" / "memory.stat").write_text("anon 2000\ninactive_file 500\n")
+    # Active file cache is reclaimable too: a container full of recently read files still has room.
+    (v2 / "jobs" / "memory.stat").write_text("anon 2000\nactive_file 6000\ninactive_file 500\nshmem 700\n")
     (v2 / "jobs" / "one" / "memory.max").write_text("max\n")
     (v2 / "proc_cgroup").write_text("0::/jobs/one\n")
-    assert guard._cgroup_headroom(str(v2 / "proc_cgroup"), str(v2)) == 8000 - 3000 + 500
+    assert guard._cgroup_headroom(str(v2 / "proc_cgroup"), str(v2)) == 8000 - 3000 + 6000 + 500
 
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)  # inside a namespace: the process's path is not under the mount
     (v1 / "memory" / "memory.limit_in_bytes").write_text("4096\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("1024\n")
-    (v1 / "memory" / "memory.stat").write_text("total_inactive_file 24\n")
+    (v1 / "memory" / "memory.stat").write_text("active_file 1\ntotal_active_file 100\ntotal_inactive_file 24\n")
     (v1 / "proc_cgroup").write_text("5:cpu:/\n4:memory:/process_api/abc\n")
-    assert guard._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) == 4096 - 1024 + 24
+    assert guard._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) == 4096 - 1024 + 100 + 24
 
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
     assert guard._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) is None
