@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from slim_mha.bias import SlimBiases, fold_key_bias, fold_value_bias, keeps_key_bias, unfold_key_bias
+from slim_mha.bias import BIAS_NAMES, SlimBiases, fold_key_bias, fold_value_bias_into_output, keeps_key_bias, unfold_key_bias
 
 from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
@@ -123,7 +123,7 @@ def _plan_to_stock(group: AttentionGroup, zero_attn: bool) -> ModulePlan:
     if not group.is_slim:
         action = "nothing to do (already stock)" if group.has_bias else "nothing to do (no input bias)"
         return ModulePlan(group, "to-stock", zero_attn, action)
-    present = [name for name in ("q_proj_bias", "k_proj_bias", "v_proj_bias") if name in group]
+    present = [name for name in BIAS_NAMES if name in group]
     dtypes = {group.records[name].dtype for name in present}
     if len(dtypes) > 1:
         return ModulePlan(
@@ -156,15 +156,17 @@ def migrated_tensors(plan: ModulePlan, read: Callable[[str], Tensor]) -> dict[st
         current.update(biases._asdict())
     elif plan.mode == "to-stock" and plan.changes:
         # bias_k comes back as stored (see unfold_key_bias), so it is neither read nor rewritten.
-        biases = SlimBiases(wide("q_proj_bias"), wide("v_proj_bias"), wide("k_proj_bias"), None)
+        biases = SlimBiases(
+            q_proj_bias=wide("q_proj_bias"), k_proj_bias=wide("k_proj_bias"), v_proj_bias=wide("v_proj_bias"), bias_k=None
+        )
         current["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=group.embed_dim)
     if plan.fold_value:
         value_bias = current.get("v_proj_bias")
         value_bias = value_bias if value_bias is not None else wide("v_proj_bias")
         weight = read("out_proj.weight")
-        # fold_value_bias multiplies in the weight's dtype (at least fp32): widen it to the bias's too.
+        # fold_value_bias_into_output multiplies in the weight's dtype (at least fp32): widen it to the bias's too.
         work = torch.promote_types(weight.dtype, FLOAT_DTYPES[group.records["out_proj.bias"].dtype])
-        current["out_proj.bias"], current["bias_v"] = fold_value_bias(
+        current["out_proj.bias"], current["bias_v"] = fold_value_bias_into_output(
             value_bias, weight.to(work), wide("out_proj.bias"), wide("bias_v"), add_zero_attn=plan.zero_attn
         )
     return {

@@ -14,22 +14,15 @@ import torch
 from torch import Tensor, nn
 
 from slim_mha import SlimMultiheadAttention
+from slim_mha._matrix import TOLERANCE
+from slim_mha._torch_compat import STOCK_MHA
 
 from ._text import shown
 
-# Largest relative output error accepted, by the least precise dtype the migrated module stores (the
-# project's table). Folding rounds bias_k - b_k (and out_proj.bias + W_o b_v) once to that dtype;
-# everything else is copied exactly, and the comparison itself runs in float64. Honest folds of random
-# modules measure at least 30x below these (bf16 7e-4, fp16 1e-4, fp32 2e-8).
-TOLERANCES = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.float16: 1e-2,
-    torch.bfloat16: 2e-2,
-}
+# The largest relative output error accepted is the project's slim-vs-stock TOLERANCE of the least
+# precise dtype the migrated module stores: folding rounds bias_k - b_k (and out_proj.bias + W_o b_v)
+# once to that dtype, everything else is copied exactly, and the comparison runs in float64.
 _COMPUTE = torch.float64
-# Stock, even while slim_mha.patched() has replaced the name torch.nn.MultiheadAttention.
-_STOCK_ATTENTION = SlimMultiheadAttention.__base__
 _BATCH, _TARGET_LENGTH, _SOURCE_LENGTH = 2, 3, 5
 
 
@@ -83,7 +76,7 @@ def _one_thread():
 def tolerance_for(dtypes: Iterable[torch.dtype]) -> tuple[float, torch.dtype]:
     """The tolerance of the least precise of ``dtypes`` (the migrated module's), and that dtype."""
     dtype = max(dtypes, key=lambda dtype: torch.finfo(dtype).eps)
-    return TOLERANCES[dtype], dtype
+    return TOLERANCE[dtype], dtype
 
 
 def check_module_error(error: float, tolerance: float, *, module: str, where: str, dtype: torch.dtype) -> None:
@@ -99,7 +92,7 @@ def check_module_error(error: float, tolerance: float, *, module: str, where: st
 def _rebuild(tensors: dict[str, Tensor], embed_dim: int, kdim: int, vdim: int, zero_attn: bool) -> nn.Module:
     """A one-head module of the layout the tensors are in, holding exactly those tensors."""
     slim = any(name in tensors for name in ("q_proj_bias", "k_proj_bias", "v_proj_bias"))
-    cls = SlimMultiheadAttention if slim else _STOCK_ATTENTION
+    cls = SlimMultiheadAttention if slim else STOCK_MHA
     module = cls(
         embed_dim,
         1,

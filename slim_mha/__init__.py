@@ -1,8 +1,6 @@
 """slim_mha: a faster nn.MultiheadAttention without the key bias, exact to stock."""
 
 import importlib
-import sys
-import types
 
 # Each public name and the submodule that defines it. They are imported on first use (PEP 562), all at
 # once, not here: importing torch takes seconds, and the slim-mha-migrate CLI, which lives in this
@@ -13,12 +11,12 @@ _EXPORTS = {
     "unpatch": "patching",
     "patched": "patching",
     "is_patched": "patching",
-    "convert": "convert",
-    "to_stock": "convert",
-    "fold_value_bias": "convert",
-    "unread_weights_report": "_unread_weights",
-    "UnreadWeightsReport": "_unread_weights",
-    "UnreadWeightsSite": "_unread_weights",
+    "convert": "conversion",
+    "to_stock": "conversion",
+    "fold_value_bias": "conversion",
+    "unread_weights_report": "unread_weights",
+    "UnreadWeightsReport": "unread_weights",
+    "UnreadWeightsSite": "unread_weights",
     "EquivarianceError": "equivariance",
     "checking_equivariance": "equivariance",
     "assert_permutation_equivariant": "equivariance",
@@ -44,16 +42,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """``slim_mha.convert`` stays the function, as when this file imported everything: the import system
-    sets each submodule on its package, and the submodule ``slim_mha.convert`` must not replace it."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return  # the name is bound by __getattr__, to the function
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

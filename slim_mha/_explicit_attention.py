@@ -14,14 +14,16 @@ scores above :data:`_CPU_BLOCK_SCORES_BYTES` are computed a few blocks of query 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit
+from ._torch_compat import functorch_transforms_active, is_capturing_or_transforming
 
-__all__ = ["attention_with_weights"]
+__all__ = ["WeightsPlan", "attention_with_weights", "plan_weights_path"]
 
 
 # On CPU, averaged weights over more scores than this are computed in blocks of query rows holding
@@ -31,6 +33,23 @@ __all__ = ["attention_with_weights"]
 # recycled from call to call. Blocks also keep the peak below stock's, which holds all of
 # (B, H, L, S). Half the mmap threshold keeps the blocks few: two at B=4 L=512 H=8 in fp32.
 _CPU_BLOCK_SCORES_BYTES = 16 << 20
+
+
+class WeightsPlan(NamedTuple):
+    """Which weights path a call takes, decided once: run here, and counted by the memory guard."""
+
+    functional: bool  # autograd, dropout, transforms, traces: no out=, in place only where safe
+    average: bool  # weights averaged over heads
+    rows: int  # query rows per block of scores; all of them for one pass
+
+
+def plan_weights_path(
+    q: Tensor, src_len: int, *, dropout_p: float, average: bool, records_graph: bool
+) -> WeightsPlan:
+    """The path for ``q`` ``(B, H, L, D)`` and ``src_len`` keys (appended tokens included)."""
+    functional = records_graph or dropout_p > 0.0 or is_capturing_or_transforming()
+    rows = q.shape[2] if functional or not average else _query_rows_per_block(q, src_len)
+    return WeightsPlan(functional, average, rows)
 
 
 def attention_with_weights(
@@ -45,12 +64,12 @@ def attention_with_weights(
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
-    check_weights_fit(q, k.shape[2], average=average, records_graph=records_graph)  # before any (B, H, L, S)
-    if records_graph or dropout_p > 0.0 or _functorch_transforms_active() or torch.jit.is_tracing():
+    plan = plan_weights_path(q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph)
+    check_weights_fit(q, k.shape[2], plan)  # before any (B, H, L, S)
+    if plan.functional:
         return _attention_functional(q, k, v, mask, dropout_p, average)
-    rows = _query_rows_per_block(q, k.shape[2]) if average else q.shape[2]
-    if rows < q.shape[2]:
-        return _attention_averaged_in_blocks(q, k, v, mask, rows)
+    if plan.rows < q.shape[2]:
+        return _attention_averaged_in_blocks(q, k, v, mask, plan.rows)
     B, H, L, D = q.shape
     S = k.shape[2]
     # Explicit sizes in every view, never -1: an empty batch or sequence leaves -1 undetermined.
@@ -74,7 +93,7 @@ def _attention_functional(
     if mask is not None:
         # In place saves a (B, H, L, S) tensor and is safe under autograd (matmul's backward does not
         # read its output), but not under vmap, where the mask may be batched and the scores not.
-        scores = scores + mask if _functorch_transforms_active() else scores.add_(mask)
+        scores = scores + mask if functorch_transforms_active() or torch.compiler.is_compiling() else scores.add_(mask)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
@@ -146,7 +165,3 @@ def _query_rows_per_block(q: Tensor, src_len: int) -> int:
         return L
     blocks = -(-row_bytes * L // _CPU_BLOCK_SCORES_BYTES)  # as few as the limit allows, as equal as possible
     return -(-L // blocks)
-
-
-def _functorch_transforms_active() -> bool:
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()

@@ -62,6 +62,8 @@ import os
 import torch
 from torch import Tensor
 
+from ._torch_compat import is_capturing_graph
+
 __all__ = ["available_bytes", "check_weights_fit", "weights_path_bytes"]
 
 # Requests below this are not checked: reading the limits costs tens of microseconds, a rounding
@@ -70,38 +72,36 @@ _CHECK_ABOVE_BYTES = 1 << 28
 _UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 
-def check_weights_fit(q: Tensor, src_len: int, *, average: bool, records_graph: bool) -> None:
-    """Raise ``torch.OutOfMemoryError`` if the weights path for ``q`` ``(B, H, L, D)`` cannot fit.
+def check_weights_fit(q: Tensor, src_len: int, plan) -> None:
+    """Raise ``torch.OutOfMemoryError`` if the weights path ``plan`` for ``q`` ``(B, H, L, D)`` cannot fit.
 
-    ``src_len`` is the number of keys (appended ``bias_k``/zero-attention tokens included).
+    ``src_len`` is the number of keys (appended ``bias_k``/zero-attention tokens included); ``plan``
+    is the path the call takes (``_explicit_attention.plan_weights_path``), so the estimate counts
+    what that very path holds.
     """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # symbolic or recorded sizes: no allocation here
+    if is_capturing_graph():  # symbolic or recorded sizes: no allocation here
         return
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
-    if 2 * head_maps + head_maps // q.size(1) < _CHECK_ABOVE_BYTES:  # the most any path below holds
+    if 2 * head_maps + head_maps // max(q.size(1), 1) < _CHECK_ABOVE_BYTES:  # the most any path below holds
         return
-    needed, what = weights_path_bytes(q, src_len, average=average, records_graph=records_graph)
+    needed, what = weights_path_bytes(q, src_len, plan)
     if needed >= _CHECK_ABOVE_BYTES:
         _refuse_if_too_large(q, src_len, needed, what)
 
 
-def weights_path_bytes(q: Tensor, src_len: int, *, average: bool, records_graph: bool) -> tuple[int, str]:
-    """Bytes of the ``L x S``-sized tensors the weights path holds at once for ``q`` ``(B, H, L, D)``
-    and ``src_len`` keys, in ``q``'s dtype, and what they are (the table in the module's docstring)."""
-    # Imported here: _explicit_attention imports this module while it loads. Its own helpers decide
-    # the path, so the estimate cannot drift from what the path does.
-    from ._explicit_attention import _functorch_transforms_active, _query_rows_per_block
-
+def weights_path_bytes(q: Tensor, src_len: int, plan) -> tuple[int, str]:
+    """Bytes of the ``L x S``-sized tensors the weights path ``plan`` holds at once for ``q``
+    ``(B, H, L, D)`` and ``src_len`` keys, in ``q``'s dtype, and what they are (the table above)."""
     B, H, L, _ = q.shape
     S, itemsize = src_len, q.element_size()
     head_maps, averaged = B * H * L * S * itemsize, B * L * S * itemsize
     average_text = f"and their average, (B, L, S) = {(B, L, S)}"
-    if records_graph or _functorch_transforms_active():
+    if plan.functional:
         what = f"scores and probabilities, each (B, H, L, S) = {(B, H, L, S)}"
-        return (2 * head_maps + averaged, f"{what}, {average_text}") if average else (2 * head_maps, what)
-    if not average:
+        return (2 * head_maps + averaged, f"{what}, {average_text}") if plan.average else (2 * head_maps, what)
+    if not plan.average:
         return head_maps, f"the weights, (B, H, L, S) = {(B, H, L, S)}"
-    rows = _query_rows_per_block(q, S)
+    rows = plan.rows
     if rows < L:  # a block's average is written to a temporary, then copied into the weights
         block = f"one block of scores, (B, H, rows, S) = {(B, H, rows, S)}, and its average"
         block_bytes = B * (H + 1) * rows * S * itemsize

@@ -1,711 +1,197 @@
-"""The stock ``in_proj_bias`` of a slim module: one tensor that the bias parameters are views of.
+"""The one owner of the packed bias: every ``nn.Module`` hook that keeps ``in_proj_bias`` and the bias
+parameters one state, and the state-dict layout they share.
 
-Code written for stock reads *and writes* ``in_proj_bias``: ``nn.init.zeros_(m.in_proj_bias)``,
-``m.in_proj_bias.data.copy_(t)``, open_clip's ``t.data = t.data.to(torch.bfloat16)``. Slim's
-parameters are ``q_proj_bias`` and ``v_proj_bias`` (and ``k_proj_bias`` where the key bias is kept).
-So that both names are one state, each module keeps one contiguous ``(3E,)`` tensor,
-``packed = [b_q | middle | b_v]``, in its ``__dict__`` (not a parameter, not in the state dict), and
-its bias parameters are views of its slices. A write through either name is a write to the same
-memory; ``in_proj_bias`` returns that same object every time; and the fused projection uses it as
-its bias with no per-call work. Nothing is cached: there is one copy of the numbers.
+Slim registers ``q_proj_bias`` and ``v_proj_bias`` (and ``k_proj_bias`` where the key bias is kept);
+stock code reads and writes ``in_proj_bias``. Both names are one memory: a packed ``(3E,)`` tensor
+that the parameters are views of (:mod:`slim_mha._packed_tensor` holds the tensor machinery). Three
+operations keep it so, each named for whose parameter objects it may re-point:
 
-``middle`` is ``k_proj_bias`` when the key bias is kept. Otherwise it is a slot that is zero
-unless code writes stock's key bias into it; the forward then adds it to the keys exactly as stock
-would (with ``add_bias_kv`` it changes the function relative to ``bias_k``, as in stock), and
-``state_dict`` folds it into ``bias_k`` (see :mod:`slim_mha.bias`).
+* ``resync``: take in ``in_proj_bias.data = ...``, and re-point only the objects aliased before whose
+  memory is their own;
+* ``take_new_parameters``: also objects registered since (a loader's ``setattr``), if their memory is
+  their own (FSDP's, which it refills, is never taken);
+* ``reown``: objects this module itself just registered (``_apply``, loading, unpickling), whatever
+  their memory.
 
-Aliasing can break: ``p.data = new`` on a parameter, casts and moves (``_apply``),
-``functional_call`` and ``vmap`` passing other tensors, FSDP re-pointing parameters, or
-``in_proj_bias.data = new`` (which the parameters take in at once, see :class:`PackedParameter`).
-So every use *verifies* it (the registered objects, views of the packed
-memory at the right offsets, one dtype) and otherwise builds the bias from the parameters as they
-are at that moment. Aliasing is re-made only where the module owns its parameters (construction,
-``_apply``, loading, assignment, reading ``in_proj_bias``), never while a trace, ``torch.compile``
-or a functorch transform runs, and never with tensors that are not the module's own registered
-plain ``Parameter`` objects. A ``torch.compile`` trace reads the packed memory (the middle slot)
-through a plain tensor aliasing it, made at each verification: Dynamo on torch 2.4 cannot look
-into the packed Parameter subclass.
+=============================  ======================  =============================================
+hook                           operation               why
+=============================  ======================  =============================================
+``in_proj_bias`` (read)        take_new_parameters     stock code holds and writes the object read
+``__setattr__``,               assign                  stock registers an assigned ``Parameter``;
+``register_parameter``                                 ``functional_call`` swaps a plain tensor in
+``_load_from_state_dict``      fold, then reown        stock checkpoints carry ``in_proj_bias``;
+                                                       ``assign=True`` registers new objects
+``_save_to_state_dict``        resync, then fold       a written key slot is folded into ``bias_k``;
+                                                       entries get storages of their own
+``_apply``                     resync, then reown      casts and moves give the parameters new memory
+``train``                      take_new_parameters     Hugging Face's loader ends with ``eval()``
+``__getstate__``,              drop, then reown        pickle and deepcopy rebuild the packed tensor
+``__setstate__``                                       from the parameters
+=============================  ======================  =============================================
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parameter import Parameter
-from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = [
-    "STATE_KEY", "assign", "create", "fused_bias", "is_packed", "own_storage", "is_transforming", "set_middle", "stock_view", "sync"
-]
+from . import _packed_tensor as packed_tensor
+from ._bias_views import own_storage
+from .bias import BIAS_NAMES, STOCK_BIAS_NAME, SlimBiases, fold_key_bias, keeps_key_bias
 
-STATE_KEY = _STATE = "_packed_bias_state"
-_STAND_IN = "_in_proj_bias_stand_in"  # a plain tensor assigned to in_proj_bias (see assign)
-_PARTS = ("q_proj_bias", "k_proj_bias", "v_proj_bias")  # the order of the packed slices
-# Flags that loaders put on tensors they filled (Hugging Face's init guard skips tensors carrying
-# ``_is_hf_initialized``): the packed view carries one when every part of it does, so that an
-# ``nn.init.zeros_(m.in_proj_bias)`` after loading is skipped exactly when stock's would be.
-_LOADED_FLAGS = ("_is_hf_initialized",)
+__all__ = ["PackedBiasOwner"]
 
 
-# The tensor attributes themselves, bypassing PackedParameter's overrides.
-_set_data = torch._C.TensorBase.data.__set__
-_get_grad = torch._C.TensorBase.grad.__get__
-_set_grad = torch._C.TensorBase.grad.__set__
-_get_requires_grad = torch._C.TensorBase.requires_grad.__get__
-_set_requires_grad = torch._C.TensorBase.requires_grad.__set__
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # packed tensor -> weakref to its module
+class PackedBiasOwner(nn.Module):
+    """Mixin for a slim attention module (before ``nn.MultiheadAttention`` in the bases).
 
-
-class PackedParameter(Parameter):
-    """The ``in_proj_bias`` object: stock's idioms on it reach the bias parameters at once.
-
-    * ``.data = new`` (open_clip's ``t.data = t.data.to(torch.bfloat16)``) is taken in by the
-      parameters right away (outside traces and transforms), so no forward, compiled or not, ever
-      sees the parameters and the packed view disagree. The forward still verifies, as for every change.
-    * ``.requires_grad_(flag)`` and ``.requires_grad = flag`` reach the parameters at once, so a
-      wrapper built next (DDP) sees the frozen bias as frozen.
-    * ``.grad`` is the parameters' gradients, packed as stock's ``[g_q; g_k; g_v]`` into one tensor
-      that their ``.grad`` are views of: an optimizer or ``clip_grad_norm_`` handed ``in_proj_bias``
-      reads and scales the gradients that autograd gave the parameters, and its in-place update of
-      ``in_proj_bias`` is an update of their memory. A dropped key bias reads a zero gradient (stock's
-      is zero up to rounding: softmax ignores the shift).
+    The module has ``embed_dim``, ``add_zero_attn`` and ``bias_k`` as stock's has, and calls
+    :meth:`_create_packed_bias` in its constructor.
     """
+
+    def _create_packed_bias(self, *, bias: bool, factory: dict) -> None:
+        keep_key = bias and keeps_key_bias(add_zero_attn=self.add_zero_attn)
+        packed_tensor.create(self, bias=bias, keep_key=keep_key, factory=factory)
 
     @property
-    def data(self) -> Tensor:
-        return torch._C.TensorBase.data.__get__(self)
+    def in_proj_bias(self) -> Tensor | None:
+        """Stock's packed ``[b_q; b_k; b_v]``: the tensor the bias parameters are views of."""
+        return packed_tensor.stock_view(self)
 
-    @data.setter
-    def data(self, value: Tensor) -> None:
-        _set_data(self, value)
-        module = _owner(self)
-        if module is not None and not is_transforming():
-            sync(module)
+    def __setattr__(self, name: str, value) -> None:
+        if name == STOCK_BIAS_NAME:
+            self._assign_in_proj_bias(value)
+            return
+        super().__setattr__(name, value)
 
-    @property
-    def grad(self) -> Tensor | None:
-        module = _owner(self)
-        if module is None or is_transforming():
-            return _get_grad(self)
-        return _gather_gradient(module, self)
-
-    @grad.setter
-    def grad(self, value: Tensor | None) -> None:
-        module = _owner(self)
-        if module is None or is_transforming():
-            _set_grad(self, value)
-        else:
-            _scatter_gradient(module, self, value)
-
-    @property
-    def requires_grad(self) -> bool:
-        return _get_requires_grad(self)
-
-    @requires_grad.setter
-    def requires_grad(self, value: bool) -> None:
-        _set_requires_grad(self, value)
-        _parts_follow_flag(self)
-
-    def requires_grad_(self, requires_grad: bool = True) -> "PackedParameter":
-        torch._C.TensorBase.requires_grad_(self, requires_grad)
-        _parts_follow_flag(self)
-        return self
-
-
-class PackedBias:
-    """The packed tensor and what it was last verified against.
-
-    A plain class (no ``__slots__``): Dynamo on torch 2.4 cannot read slot attributes.
-    """
-
-    def __init__(self, module, packed: Tensor, parts: tuple) -> None:
-        self.packed = packed
-        self.hooked = False
-        # in_proj_bias.grad: the (3E,) tensor the parameters' .grad were last made views of, and those views.
-        self.gradient = None
-        self.gradient_views = (None, None, None)
-        self.earlier = None  # the state an assigned in_proj_bias replaced (see assign)
-        # A PackedParameter takes in ``.data = new`` at once (outside transforms); an assigned plain
-        # Parameter is only checked at the next eager use.
-        self.notifies = isinstance(packed, PackedParameter)
-        self.record(parts)
-        if self.notifies:
-            _OWNERS[packed] = weakref.ref(module)
-
-    def record(self, parts: tuple) -> None:
-        self.parts = parts
-        # A plain tensor on the packed memory, for traces: Dynamo on torch 2.4 cannot look into a
-        # Parameter subclass at all, so a compiled forward reads the middle slot through this.
-        self.memory = self.packed.detach()
-        self.address = self.packed.data_ptr()
-        self.itemsize = self.packed.element_size()
-        self.dtype = self.packed.dtype
-        self.requires_grad = self.packed.requires_grad
-
-
-def is_transforming() -> bool:
-    """Whether a graph is being captured or a functorch transform runs: no state may change then."""
-    return (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or torch._C._are_functorch_transforms_active()
-    )
-
-
-def create(module, *, bias: bool, keep_key: bool, factory: dict) -> None:
-    """Register ``q_proj_bias``/``k_proj_bias``/``v_proj_bias`` as views of one new packed tensor."""
-    if not bias:
-        for name in _PARTS:
-            module.register_parameter(name, None)
-        return
-    # A Parameter (unregistered), as stock's in_proj_bias is one: isinstance checks keep passing.
-    _register_views(module, PackedParameter(torch.zeros(3 * module.embed_dim, **factory)), keep_key, True)
-
-
-def assign(module, value: Tensor | None, *, keep_key: bool) -> None:
-    """``module.in_proj_bias = value``, as stock takes each kind of value.
-
-    * A ``(3E,)`` ``Parameter`` becomes the packed tensor, as stock registers the object: new bias
-      parameters (with its ``requires_grad``) are views of it. Assigning back a packed tensor that
-      this module had before restores the parameter objects of that time, so a swap and its undo
-      (``torch.func.functional_call``) leave the module with the very objects optimizers hold.
-    * A plain tensor is a stand-in: the forward uses it as stock's ``in_proj_bias`` (its key slot
-      too) until the packed tensor is assigned back. This is how ``functional_call`` with stock's
-      parameter names swaps it in (stock writes its registry directly; it is not registered here).
-    * ``None`` removes the input biases, as ``bias=False``.
-    """
-    module.__dict__.pop(_STAND_IN, None)
-    state = module.__dict__.get(_STATE)
-    if value is not None and not isinstance(value, Parameter):
-        module.__dict__[_STAND_IN] = value
-        return
-    if state is not None and value is state.packed:
-        return
-    earlier = state.earlier if state is not None else None
-    while earlier is not None and earlier.packed is not value:
-        earlier = earlier.earlier
-    if earlier is not None:
-        for name, part in zip(_PARTS, earlier.parts):
-            module.register_parameter(name, part)
-        module.__dict__[_STATE] = earlier
-        sync(module)
-        return
-    if value is None:
-        for name in _PARTS:
-            module.register_parameter(name, None)
-        module.__dict__.pop(_STATE, None)
-        return
-    if not value.is_contiguous():
-        value = Parameter(value.detach().contiguous(), requires_grad=value.requires_grad)
-    _register_views(module, value, keep_key, value.requires_grad)
-    module.__dict__[_STATE].earlier = state
-
-
-def own_storage(view: Tensor) -> Tensor:
-    """``view``'s memory under a storage object of its own (through DLPack), for state dicts.
-
-    The bias parameters are views of one packed storage. Tools that find shared tensors by their
-    storage (safetensors' ``save_model``, accelerate's ``save_model``) would take ``q_proj_bias`` and
-    ``v_proj_bias`` in a state dict for one tensor saved twice, and drop or refuse one. Entries with
-    storages of their own are the separate tensors they are, and writes to them still reach the
-    parameters (EMA code copies into ``state_dict()``'s tensors). The parameters themselves stay
-    plain views: ``share_memory()`` and Hogwild move their one storage as a whole.
-    """
-    # Plain dense tensors on CPU or CUDA only: a wrapper subclass (FSDP's DTensor) has no memory of
-    # its own to export, and DLPack of one crashes rather than raising.
-    if type(view) is not Tensor or view.layout != torch.strided or view.device.type not in ("cpu", "cuda"):
-        return view
-    try:
-        return torch.from_dlpack(view)
-    except (RuntimeError, BufferError, TypeError, ValueError):
-        return view
-
-
-def _register_views(module, packed: Tensor, keep_key: bool, requires_grad: bool) -> None:
-    E = module.embed_dim
-    data = packed.detach()
-    present = (True, keep_key, True)
-    for index, name in enumerate(_PARTS):
-        view = data[index * E : (index + 1) * E]
-        module.register_parameter(name, Parameter(view, requires_grad=requires_grad) if present[index] else None)
-    module.__dict__[_STATE] = PackedBias(module, packed, _current_parts(module))
-
-
-def fused_bias(module) -> Tensor | None:
-    """``[b_q; middle; b_v]`` for the fused input projection, from the parameters as they are now.
-
-    Without a graph to record and with the parameters still views of the packed tensor, that tensor
-    is the answer and costs nothing. Otherwise one ``cat`` of the parameters (gradients flow to
-    them only; the middle slot is detached).
-    """
-    stand_in = module.__dict__.get(_STAND_IN)
-    if stand_in is not None:
-        return stand_in
-    parts = _current_parts(module)
-    if _absent(parts):
-        return None
-    state = module.__dict__.get(_STATE)
-    if state is not None and not is_transforming():
-        if _packed_was_repointed(state, parts):
-            _adopt_packed(module, state, parts)  # in_proj_bias.data = ...: the parameters follow
-        if state.packed.requires_grad != state.requires_grad:  # in_proj_bias.requires_grad_(...)
-            _sync_flags(module, state, parts)
-        records_graph = torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in parts)
-        if not records_graph and _is_aliased(state, parts, module.embed_dim):
-            return state.packed
-    elif state is not None and _same_objects(parts, state.parts) and _has_unfolded_dtype_or_device(state, parts):
-        raise RuntimeError(
-            "in_proj_bias was given data of another dtype or device than q_proj_bias/v_proj_bias and "
-            "has not been folded into them yet: run one eager forward (or read module.in_proj_bias) "
-            "before tracing, compiling or transforming the module"
-        )
-    return _concatenate(module, state, parts)
-
-
-def stock_view(module) -> Tensor | None:
-    """What ``in_proj_bias`` returns: the packed tensor itself wherever aliasing holds or can be made.
-
-    A stand-in (see :func:`assign`) while one is set. Under a trace or a transform, a computed
-    tensor. When the parameters cannot be aliased (their memory is managed by someone else:
-    ``vector_to_parameters``, FSDP), a :class:`ComputedStockBias`: reading it is exact, writing to
-    it or handing it to an optimizer raises, since that would reach nothing.
-    """
-    stand_in = module.__dict__.get(_STAND_IN)
-    if stand_in is not None:
-        return stand_in
-    # New parameter objects are taken in where their memory is their own (a loader's setattr), as
-    # train() does; memory someone else manages (FSDP's) is left alone.
-    packed = sync(module, take_new_parameters=True)
-    if packed is not None:
-        return packed
-    parts = _current_parts(module)
-    if _absent(parts):
-        return None
-    computed = _concatenate(module, module.__dict__.get(_STATE), parts)
-    if is_transforming():
-        return computed
-    computed = computed.as_subclass(ComputedStockBias)
-    _copy_loaded_flags(computed, parts)
-    return computed
-
-
-def sync(module, *, take_new_parameters: bool = False, owned: bool = False) -> Tensor | None:
-    """Make the parameters views of the packed tensor again, if needed and allowed; return it or None.
-
-    Only the parameter objects aliased before are re-pointed, unless ``take_new_parameters``; and
-    only parameters whose memory is their own, unless ``owned`` (places that own what they
-    register: ``_apply``, loading, unpickling). Parameter objects
-    registered by others may have memory someone else manages: FSDP2 registers its unsharded
-    parameters with ``setattr`` and later refills their memory, so re-pointing them would freeze
-    them at stale values. Such parameters stay where they are; the forward builds the bias from them.
-
-    Resolves who changed since the last check: if only ``in_proj_bias`` got new data, the parameters
-    take it; if only parameters did, the packed tensor is rebuilt from them (same object, new
-    data, so tensors handed out earlier stay the stock view); if both did, that is an error.
-    """
-    parts = _current_parts(module)
-    if _absent(parts) or is_transforming():  # no data pointers (nor changes) inside a trace
-        return None
-    state = module.__dict__.get(_STATE)
-    E = module.embed_dim
-    if state is None or not _is_aliased(state, parts, E):
-        if state is not None and _packed_was_repointed(state, parts):
-            _adopt_packed(module, state, parts)
-        elif state is not None and state.packed.data_ptr() != state.address and _same_objects(parts, state.parts):
-            raise RuntimeError(
-                "in_proj_bias and q_proj_bias/v_proj_bias were all given new data since they were "
-                "last in sync, so neither can be taken as the truth: assign the new values through one "
-                "of them only (e.g. module.q_proj_bias.data = ...)"
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        if name == STOCK_BIAS_NAME:  # as stock: registering it is assigning it
+            self._assign_in_proj_bias(param)
+            return
+        if param is not None and packed_tensor.is_packed(self, param):
+            # torch.nn.utils.prune re-registers the tensor it prunes as '<name>_orig' first.
+            raise ValueError(
+                f"cannot register in_proj_bias as parameter {name!r}: SlimMultiheadAttention's parameters are "
+                "q_proj_bias and v_proj_bias (in_proj_bias is their packed view, not a registered parameter). "
+                "Prune or re-register q_proj_bias/v_proj_bias instead, or use slim_mha.to_stock(module)"
             )
-        elif (take_new_parameters or (state is not None and _same_objects(parts, state.parts))) and _can_alias(
-            module, parts, owned
-        ):
-            _realias(module, state, parts)
-        else:
-            return None
-        state = module.__dict__[_STATE]
-    _sync_flags(module, state, parts)
-    return state.packed
+        super().register_parameter(name, param)
 
+    def _assign_in_proj_bias(self, value: Tensor | None) -> None:
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(
+                f"cannot assign '{torch.typename(value)}' as parameter 'in_proj_bias' "
+                "(torch.nn.Parameter or None expected)"
+            )
+        if value is not None and tuple(value.shape[-1:]) != (3 * self.embed_dim,):
+            raise ValueError(
+                f"in_proj_bias must have shape ({3 * self.embed_dim},) = 3*embed_dim, got {tuple(value.shape)}"
+            )
+        # A Parameter is registered as stock registers the object (its key slice used exactly as
+        # stock uses b_k); a plain tensor stands in for it, as torch.func.functional_call swaps it.
+        packed_tensor.assign(self, value, keep_key=keeps_key_bias(add_zero_attn=self.add_zero_attn))
 
-def stock_middle(module) -> Tensor | None:
-    """The middle slot as it reads in ``in_proj_bias`` when it is not ``k_proj_bias``, else None."""
-    state = module.__dict__.get(_STATE)
-    if state is None or module.k_proj_bias is not None or state.packed.is_meta:
-        return None
-    E = module.embed_dim
-    return state.packed.detach()[E : 2 * E]
+    # ------------------------------------------------------------------------------ state dicts
 
-
-def set_middle(module, value: Tensor | None) -> None:
-    """Write the middle slot (not a parameter; ``None`` zeroes it), when it is not ``k_proj_bias``."""
-    middle = stock_middle(module)
-    if middle is not None:
-        with torch.no_grad():
-            middle.zero_() if value is None else middle.copy_(value)
-
-
-def is_packed(module, tensor: Tensor) -> bool:
-    """Whether ``tensor`` is the packed tensor that ``module.in_proj_bias`` returns."""
-    state = module.__dict__.get(_STATE)
-    return state is not None and tensor is state.packed
-
-
-def _owner(packed: Tensor):
-    """The module whose live packed tensor ``packed`` is, or None (replaced, or its module is gone)."""
-    owner = _OWNERS.get(packed)
-    module = owner() if owner is not None else None
-    if module is None:
-        return None
-    state = module.__dict__.get(_STATE)
-    return module if state is not None and state.packed is packed else None
-
-
-def _parts_follow_flag(packed: Tensor) -> None:
-    module = _owner(packed)
-    if module is not None and not is_transforming():
-        _sync_flags(module, module.__dict__[_STATE], _current_parts(module))
-
-
-def _gather_gradient(module, packed: Tensor) -> Tensor | None:
-    """``in_proj_bias.grad``: the parameters' gradients as one ``(3E,)`` tensor their ``.grad`` view.
-
-    The parameters' ``.grad`` are the truth (autograd, DDP and optimizers over ``parameters()`` use
-    them); this only makes them views of one tensor again where something replaced them (a first
-    backward, ``zero_grad(set_to_none=True)``, ``create_graph``), copying their values.
-    """
-    if sync(module) is None:
-        raise RuntimeError(_unaliased_message("reading in_proj_bias.grad (an optimizer or clip_grad_norm_ does)"))
-    state = module.__dict__[_STATE]
-    parts = _current_parts(module)
-    grads = tuple(None if part is None else part.grad for part in parts)
-    if all(grad is None for grad in grads):
-        state.gradient = None
-        return None
-    if state.gradient is not None and _same_objects(grads, state.gradient_views):
-        return state.gradient
-    E = module.embed_dim
-    reference = _first_present(grads)
-    gradient = torch.zeros(3 * E, dtype=reference.dtype, device=reference.device)
-    with torch.no_grad():
-        for index, (part, grad) in enumerate(zip(parts, grads)):
-            if grad is not None:
-                gradient[index * E : (index + 1) * E].copy_(grad)
-                part.grad = gradient[index * E : (index + 1) * E]
-    state.gradient = gradient
-    state.gradient_views = tuple(None if part is None else part.grad for part in parts)
-    return gradient
-
-
-def _scatter_gradient(module, packed: Tensor, value: Tensor | None) -> None:
-    """``in_proj_bias.grad = value``: the parameters' ``.grad`` become views of ``value`` (or None)."""
-    if sync(module) is None:
-        raise RuntimeError(_unaliased_message("assigning in_proj_bias.grad"))
-    state = module.__dict__[_STATE]
-    parts = _current_parts(module)
-    E = module.embed_dim
-    _set_grad(packed, None)
-    if value is not None and tuple(value.shape) != (3 * E,):
-        raise RuntimeError(
-            f"assigned grad has data of a different size: in_proj_bias is ({3 * E},), got {tuple(value.shape)}"
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # A stock checkpoint carries in_proj_bias; fold it into our layout before the usual loading.
+        # Without input biases of our own, leave it for torch to report as unexpected.
+        stock_key = prefix + STOCK_BIAS_NAME
+        mismatched = False
+        zero_middle, own_bias_k = False, None
+        if stock_key in state_dict and self.q_proj_bias is not None:
+            packed = state_dict.pop(stock_key)
+            mismatched = tuple(packed.shape) != (3 * self.embed_dim,)
+            if mismatched:
+                error_msgs.append(
+                    f"size mismatch for {stock_key}: copying a param with shape {packed.shape} from "
+                    f"checkpoint, the shape in current model is torch.Size([{3 * self.embed_dim}])."
+                )
+            else:
+                biases, own_bias_k = self._split_stock_bias(packed, state_dict.get(prefix + "bias_k"))
+                for name, tensor in biases._asdict().items():
+                    if tensor is not None:
+                        state_dict[prefix + name] = tensor
+                zero_middle = True
+        elif prefix + "bias_k" in state_dict and self.bias_k is not None:
+            zero_middle = True  # our own layout: the stored bias_k is relative to a zero key slot
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-    for index, part in enumerate(parts):
-        if part is not None:
-            part.grad = None if value is None else value[index * E : (index + 1) * E]
-    state.gradient = value
-    state.gradient_views = tuple(None if part is None else part.grad for part in parts)
+        packed_tensor.reown(self)  # assign=True registers new objects
+        if zero_middle:
+            self._zero_key_slot()
+        if own_bias_k is not None:
+            with torch.no_grad():
+                self.bias_k.copy_(own_bias_k)
+        if mismatched:  # the size mismatch already names the culprit; our split keys are not missing
+            split = {prefix + name for name in BIAS_NAMES}
+            missing_keys[:] = [key for key in missing_keys if key not in split]
 
+    def _split_stock_bias(self, packed: Tensor, bias_k: Tensor | None) -> tuple[SlimBiases, Tensor | None]:
+        """Stock ``(in_proj_bias, bias_k)`` to our layout with stock's function: ``b_k`` folded.
 
-def _unaliased_message(what: str) -> str:
-    return (
-        f"slim_mha: {what} cannot reach q_proj_bias/v_proj_bias: their memory is managed by someone else "
-        "(vector_to_parameters, FSDP or another wrapper re-pointed them), so in_proj_bias is a computed "
-        "copy here. Use q_proj_bias and v_proj_bias instead, or give them memory of their own again with "
-        "module.to(module.q_proj_bias.device)"
-    )
+        Returns the biases to load and, for a partial load without ``bias_k`` into an
+        ``add_bias_kv`` module, the new value of this module's ``bias_k``: stock keeps its own
+        ``bias_k`` then, whose stock view here is ``self.bias_k``, so the loaded ``b_k`` is folded
+        into that. Everything stays in the parameters (the key slot is zeroed).
+        """
+        with torch.no_grad():
+            if bias_k is None and self.bias_k is not None and not self.add_zero_attn:
+                folded = fold_key_bias(packed, self.bias_k.detach())
+                return folded._replace(bias_k=None), folded.bias_k
+            return fold_key_bias(packed, bias_k, add_zero_attn=self.add_zero_attn), None
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        packed_tensor.resync(self)  # take in any in_proj_bias.data = ... first
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:
+            for name in BIAS_NAMES:
+                if prefix + name in destination:
+                    destination[prefix + name] = own_storage(destination[prefix + name])
+        middle = self._key_slot()
+        if self.bias_k is not None and middle is not None and bool(middle.any()):
+            # Our layout stores bias_k relative to a zero key slot: fold a written slot into it.
+            with torch.no_grad():
+                folded = fold_key_bias(self.in_proj_bias.detach(), self.bias_k.detach())
+            destination[prefix + "bias_k"] = folded.bias_k
 
-class ComputedStockBias(Tensor):
-    """``in_proj_bias`` where it cannot be the parameters' memory: reads are exact, writes refuse.
+    def _key_slot(self) -> Tensor | None:
+        """The packed key slot as ``in_proj_bias`` reads it, where it is no parameter (a dropped key
+        bias: zero unless code wrote stock's ``b_k`` into it), else None."""
+        state = self.__dict__.get(packed_tensor.STATE_KEY)
+        if state is None or self.k_proj_bias is not None or state.packed.is_meta:
+            return None
+        return state.packed.detach()[self.embed_dim : 2 * self.embed_dim]
 
-    Stock code writes ``in_proj_bias`` in place (``nn.init.zeros_``, ``.copy_``, ``.data = ...``) or
-    hands it to an optimizer. On a computed copy those would change nothing, silently; here they
-    raise instead. Reads (and gradients of computations with it) reach the parameters as usual.
-    """
+    def _zero_key_slot(self) -> None:
+        slot = self._key_slot()
+        if slot is not None:
+            with torch.no_grad():
+                slot.zero_()
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _writes(func, kwargs):
-            name = getattr(func, "__name__", str(func))
-            raise RuntimeError(_unaliased_message(f"writing in_proj_bias ({name})"))
-        if _is_attribute_access(func, Tensor.grad, "__get__"):
-            raise RuntimeError(_unaliased_message("reading in_proj_bias.grad (an optimizer or clip_grad_norm_ does)"))
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-        # Views of it (``.data``, ``.detach()``, slices) refuse writes too; new tensors are plain.
-        if isinstance(result, Tensor) and not isinstance(result, cls) and _shares_memory(result, args):
-            return result.as_subclass(cls)
+    # ---------------------------------------------------------------- casts, modes, pickling
+
+    def _apply(self, fn, recurse=True):
+        packed_tensor.resync(self)
+        result = super()._apply(fn, recurse)
+        packed_tensor.reown(self)
         return result
 
+    def train(self, mode: bool = True):
+        result = super().train(mode)
+        packed_tensor.take_new_parameters(self)
+        return result
 
-def _writes(func, kwargs: dict) -> bool:
-    if any(_is_attribute_access(func, attribute, "__set__") for attribute in (Tensor.data, Tensor.grad, Tensor.requires_grad)):
-        return True
-    name = getattr(func, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__")
-    return in_place or name.startswith("__i") or name == "__setitem__" or kwargs.get("out") is not None
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop(packed_tensor.STATE_KEY, None)
+        return state
 
-
-def _is_attribute_access(func, attribute, kind: str) -> bool:
-    # Each ``Tensor.grad.__get__`` is a new bound method object: compare what it is bound to.
-    return getattr(func, "__name__", "") == kind and getattr(func, "__self__", None) is attribute
-
-
-def _shares_memory(result: Tensor, args) -> bool:
-    try:
-        address = result.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return False
-    for arg in args:
-        if isinstance(arg, ComputedStockBias):
-            try:
-                if arg.untyped_storage().data_ptr() == address:
-                    return True
-            except (RuntimeError, NotImplementedError):
-                pass
-    return False
-
-
-# ----------------------------------------------------------------------------------- internals
-
-
-def _current_parts(module) -> tuple:
-    # Straight from the registry (functional_call swaps tensors there too); a parametrized module
-    # has moved them out, so fall back to attribute access, which computes them.
-    parameters = module._parameters
-    try:
-        return parameters["q_proj_bias"], parameters["k_proj_bias"], parameters["v_proj_bias"]
-    except KeyError:
-        return module.q_proj_bias, module.k_proj_bias, module.v_proj_bias
-
-
-def _absent(parts: tuple) -> bool:
-    return parts[0] is None and parts[1] is None and parts[2] is None
-
-
-def _same_objects(parts: tuple, recorded: tuple) -> bool:
-    return parts[0] is recorded[0] and parts[1] is recorded[1] and parts[2] is recorded[2]
-
-
-def _first_present(parts: tuple) -> Tensor:
-    # A loop, not next() over a generator: Dynamo on older torch cannot trace the latter.
-    for part in parts:
-        if part is not None:
-            return part
-    raise AssertionError("no bias parameter present")
-
-
-def _views_at(parts: tuple, address: int, itemsize: int, dtype: torch.dtype, E: int) -> bool:
-    for index, part in enumerate(parts):
-        if part is not None and (part.dtype != dtype or part.data_ptr() != address + index * E * itemsize):
-            return False
-    return True
-
-
-def _is_aliased(state: PackedBias, parts: tuple, E: int) -> bool:
-    if not _same_objects(parts, state.parts):
-        return False
-    packed = state.packed
-    return _views_at(parts, packed.data_ptr(), packed.element_size(), packed.dtype, E)
-
-
-def _packed_was_repointed(state: PackedBias, parts: tuple) -> bool:
-    """``in_proj_bias.data = new``: the packed tensor moved while the parameters stayed where they were."""
-    packed = state.packed
-    if packed.data_ptr() == state.address and packed.dtype == state.dtype:
-        return False
-    if not _same_objects(parts, state.parts):
-        return False
-    E = packed.shape[0] // 3 if packed.dim() == 1 else -1
-    return E > 0 and _views_at(parts, state.address, state.itemsize, state.dtype, E)
-
-
-def _has_unfolded_dtype_or_device(state: PackedBias, parts: tuple) -> bool:
-    """``in_proj_bias.data = new`` of another dtype or device, not yet taken in by the parameters
-    (an assigned plain ``Parameter`` is told nothing; nor is a PackedParameter inside a transform)."""
-    packed = _traceable_packed(state)
-    reference = _first_present(parts)
-    return packed.dtype != reference.dtype or packed.device != reference.device
-
-
-def _traceable_packed(state: PackedBias) -> Tensor:
-    """The packed tensor, or its plain alias under ``torch.compile`` where it is a PackedParameter.
-
-    Dynamo on torch 2.4 cannot look into a Parameter subclass. The alias is current there: a
-    PackedParameter takes in new data when it is given it, and ``record`` makes a new alias.
-    """
-    if state.notifies and (torch.compiler.is_compiling() or torch.jit.is_tracing()):
-        return state.memory
-    return state.packed
-
-
-def _can_alias(module, parts: tuple, owned: bool = False) -> bool:
-    E = module.embed_dim
-    reference = _first_present(parts)
-    for name, part in zip(_PARTS, parts):
-        if part is None:
-            continue
-        if type(part) is not Parameter or module._parameters.get(name) is not part:
-            return False
-        if tuple(part.shape) != (E,) or part.layout != torch.strided:
-            return False
-        if part.dtype != reference.dtype or part.device != reference.device:
-            return False
-        if not owned and not _owns_its_memory(part, module.__dict__.get(_STATE)):
-            return False
-    return True
-
-
-def _owns_its_memory(part: Tensor, state: PackedBias | None) -> bool:
-    """Whether re-pointing ``part.data`` can hurt nobody: its memory is its own, or already ours.
-
-    A parameter that views a larger buffer belongs to whoever manages that buffer: FSDP's
-    all-gather output (it refills the buffer and expects the parameter to show it), a flat
-    parameter, ``vector_to_parameters``' vector. Those are left where they are; the forward then
-    builds the bias from them on every call.
-    """
-    storage = part.untyped_storage()
-    if state is not None and storage.data_ptr() == state.packed.untyped_storage().data_ptr():
-        return True
-    return part.storage_offset() == 0 and storage.nbytes() == part.numel() * part.element_size()
-
-
-def _realias(module, state: PackedBias | None, parts: tuple) -> None:
-    """Rebuild the packed tensor from the parameters and make them views of it."""
-    E = module.embed_dim
-    reference = _first_present(parts)
-    zeros = torch.zeros(E, dtype=reference.dtype, device=reference.device)
-    middle = zeros
-    if parts[1] is not None:
-        middle = parts[1].detach()
-    elif state is not None and not state.packed.is_meta and tuple(state.packed.shape) == (3 * E,):
-        middle = state.packed.detach()[E : 2 * E].to(dtype=reference.dtype, device=reference.device)
-    pieces = [parts[0], middle, parts[2]]
-    with torch.no_grad():
-        data = torch.cat([zeros if p is None else p.detach() for p in pieces])
-    try:
-        if state is None:
-            raise RuntimeError("no packed tensor yet")
-        _set_data(state.packed, data)  # the same object: in_proj_bias handed out earlier stays the view
-    except RuntimeError:  # none yet, or one that cannot take this data (meta to real memory)
-        requires_grad = any(p is not None and p.requires_grad for p in parts)
-        packed = PackedParameter(data, requires_grad=requires_grad)
-        state = module.__dict__[_STATE] = PackedBias(module, packed, parts)
-    for index, part in enumerate(parts):
-        if part is not None:
-            part.data = data[index * E : (index + 1) * E]
-    state.record(parts)
-
-
-def _adopt_packed(module, state: PackedBias, parts: tuple) -> None:
-    """``in_proj_bias.data = new``: make the parameters views of the new data (its dtype and device too)."""
-    E = module.embed_dim
-    packed = state.packed
-    if tuple(packed.shape) != (3 * E,):
-        raise RuntimeError(
-            f"in_proj_bias was given data of shape {tuple(packed.shape)}; it must keep shape ({3 * E},) "
-            "= 3*embed_dim"
-        )
-    if not packed.is_contiguous():
-        _set_data(packed, packed.detach().contiguous())
-    data = packed.detach()
-    for index, part in enumerate(parts):
-        if part is not None:
-            part.data = data[index * E : (index + 1) * E]
-    state.record(parts)
-
-
-def _concatenate(module, state: PackedBias | None, parts: tuple) -> Tensor:
-    """``cat([b_q, middle, b_v])`` from the parameters, differentiable in them."""
-    E = module.embed_dim
-    reference = _first_present(parts)
-    zeros = None
-
-    def zero() -> Tensor:
-        nonlocal zeros
-        if zeros is None:
-            zeros = reference.new_zeros(E)
-        return zeros
-
-    middle = parts[1]
-    if middle is None:
-        # The slot changes the function only relative to appended tokens (add_bias_kv).
-        packed = _traceable_packed(state) if module.bias_k is not None and state is not None else None
-        if packed is not None and not packed.is_meta:
-            middle = packed.detach()[E : 2 * E].to(dtype=reference.dtype, device=reference.device)
-        else:
-            middle = zero()
-    return torch.cat([zero() if parts[0] is None else parts[0], middle, zero() if parts[2] is None else parts[2]])
-
-
-def _sync_flags(module, state: PackedBias, parts: tuple) -> None:
-    """``requires_grad`` and loaders' flags: the packed tensor and its parts agree, whoever changed."""
-    packed = state.packed
-    present = [p for p in parts if p is not None]
-    packed_flag = _get_requires_grad(packed)
-    if packed_flag != state.requires_grad:  # requires_grad_ on in_proj_bias: parts follow
-        for part in present:
-            part.requires_grad_(packed_flag)
-    else:
-        wanted = any(p.requires_grad for p in present)
-        if packed_flag != wanted:
-            try:
-                torch._C.TensorBase.requires_grad_(packed, wanted)
-            except RuntimeError:  # an inference tensor outside inference mode keeps its flag
-                pass
-    state.requires_grad = _get_requires_grad(packed)
-    if packed.requires_grad and not state.hooked:
-        packed.register_post_accumulate_grad_hook(_GradientRouter(module))
-        state.hooked = True
-    _copy_loaded_flags(packed, parts)
-
-
-def _copy_loaded_flags(packed: Tensor, parts: tuple) -> None:
-    present = [p for p in parts if p is not None]
-    for flag in _LOADED_FLAGS:
-        if all(getattr(p, flag, False) for p in present):
-            setattr(packed, flag, True)
-        elif flag in packed.__dict__:
-            delattr(packed, flag)
-
-
-class _GradientRouter:
-    """Gradients that code computing with ``in_proj_bias`` itself accumulates land in the parameters.
-
-    Stock's ``in_proj_bias`` is a ``Parameter``, so ``loss(m.in_proj_bias).backward()`` fills its
-    ``.grad``. Here the slices go to ``q_proj_bias``/``v_proj_bias`` (and a kept ``k_proj_bias``)
-    instead, where optimizers see them; a dropped key bias has no parameter and gets none.
-    """
-
-    def __init__(self, module) -> None:
-        self.module = weakref.ref(module)
-
-    def __call__(self, packed: Tensor) -> None:
-        grad = _get_grad(packed)
-        _set_grad(packed, None)
-        module = self.module()
-        if module is None or grad is None:
-            return
-        E = module.embed_dim
-        with torch.no_grad():
-            for index, part in enumerate(_current_parts(module)):
-                if part is None or not part.requires_grad:
-                    continue
-                piece = grad[index * E : (index + 1) * E].to(part.dtype)
-                if part.grad is None:
-                    part.grad = piece.clone()
-                else:
-                    part.grad.add_(piece)
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if "_parameters" in self.__dict__:
+            packed_tensor.reown(self)

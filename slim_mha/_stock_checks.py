@@ -1,4 +1,4 @@
-"""Stock ``nn.MultiheadAttention``'s input checks and mask canonicalisation, as plain Python.
+"""Stock ``nn.MultiheadAttention``'s input checks and mask rules, as plain Python.
 
 Stock calls the private ``torch.nn.functional._mha_shape_check``, ``_canonical_mask`` and
 ``_none_or_dtype``. Calling them from here would tie us to torch's private API, and on older
@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -90,3 +91,66 @@ def additive_mask(
     if is_float:
         return mask
     return torch.zeros_like(mask, dtype=target_dtype).masked_fill_(mask, float("-inf"))
+
+
+def attention_mask(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    need_weights: bool,
+    dtype: torch.dtype,
+    *,
+    batch: int,
+    num_heads: int,
+    tgt_len: int,
+    src_len: int,
+    appended: int,
+) -> tuple[Tensor | None, bool]:
+    """Stock's mask rules, as one additive mask broadcastable to ``(B, H, L, S')``.
+
+    ``appended`` key columns (``add_bias_kv``, ``add_zero_attn`` tokens) are left open. Returns the
+    mask and whether SDPA may use ``is_causal`` instead of it (only when no padding mask and no
+    weights are involved, exactly as stock decides).
+    """
+    key_padding_mask = additive_mask(
+        key_padding_mask, "key_padding_mask", dtype, other=attn_mask, other_name="attn_mask"
+    )
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
+            "method `generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        return None, True
+    attn_mask = additive_mask(attn_mask, "attn_mask", dtype)
+    if attn_mask is not None:
+        attn_mask = _shape_attn_mask(attn_mask, tgt_len, src_len, batch, num_heads)
+        if appended:
+            attn_mask = F.pad(attn_mask, (0, appended))
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (batch, src_len):
+            raise AssertionError(
+                f"Expected key_padding_mask of shape {(batch, src_len)} (batch, source length), "
+                f"but got {tuple(key_padding_mask.shape)}"
+            )
+        if appended:
+            key_padding_mask = F.pad(key_padding_mask, (0, appended))
+        key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len + appended)  # (B, 1, 1, S')
+        attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    return attn_mask, False
+
+
+def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:
+    """2-D ``(L, S)`` stays; 3-D ``(B*H, L, S)`` becomes ``(B, H, L, S)``; stock's checks and messages."""
+    if attn_mask.dim() == 2:
+        if tuple(attn_mask.shape) != (tgt_len, src_len):
+            raise RuntimeError(
+                f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+            )
+        return attn_mask
+    if attn_mask.dim() == 3:
+        expected = (batch * num_heads, tgt_len, src_len)
+        if tuple(attn_mask.shape) != expected:
+            raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {expected}.")
+        return attn_mask.view(batch, num_heads, tgt_len, src_len)
+    raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")

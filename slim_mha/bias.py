@@ -32,20 +32,28 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "BIAS_NAMES",
+    "FORMAT_VERSION",
+    "STOCK_BIAS_NAME",
     "SlimBiases",
     "fold_key_bias",
     "unfold_key_bias",
-    "fold_value_bias",
+    "fold_value_bias_into_output",
     "keeps_key_bias",
 ]
 
 
+STOCK_BIAS_NAME = "in_proj_bias"  # stock's packed [b_q; b_k; b_v]
+BIAS_NAMES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")  # slim's bias parameters, in packed order
+FORMAT_VERSION = 1  # of slim's state-dict layout (the module's _version); stock checkpoints carry none
+
+
 class SlimBiases(NamedTuple):
-    """The bias tensors of one slim attention module (``None`` where absent)."""
+    """The bias tensors of one slim attention module (``None`` where absent), in packed order."""
 
     q_proj_bias: Tensor | None
-    v_proj_bias: Tensor | None
     k_proj_bias: Tensor | None
+    v_proj_bias: Tensor | None
     bias_k: Tensor | None
 
 
@@ -71,7 +79,7 @@ def fold_key_bias(
         ``SlimBiases``; ``bias_k`` is ``bias_k - b_k`` when ``b_k`` is dropped.
     """
     if in_proj_bias is None:
-        return SlimBiases(None, None, None, bias_k)
+        return SlimBiases(q_proj_bias=None, k_proj_bias=None, v_proj_bias=None, bias_k=bias_k)
     if in_proj_bias.dim() != 1 or in_proj_bias.shape[0] % 3 != 0:
         raise ValueError(
             f"in_proj_bias must have shape (3*embed_dim,), got {tuple(in_proj_bias.shape)}; "
@@ -79,7 +87,7 @@ def fold_key_bias(
         )
     b_q, b_k, b_v = in_proj_bias.chunk(3)
     if keeps_key_bias(add_zero_attn=add_zero_attn):
-        return SlimBiases(b_q.clone(), b_v.clone(), b_k.clone(), bias_k)
+        return SlimBiases(q_proj_bias=b_q.clone(), k_proj_bias=b_k.clone(), v_proj_bias=b_v.clone(), bias_k=bias_k)
     if bias_k is not None:
         if bias_k.numel() != b_k.numel():
             raise ValueError(
@@ -87,7 +95,7 @@ def fold_key_bias(
                 "bias_k must have shape (1, 1, embed_dim)"
             )
         bias_k = bias_k - b_k.view_as(bias_k)
-    return SlimBiases(b_q.clone(), b_v.clone(), None, bias_k)
+    return SlimBiases(q_proj_bias=b_q.clone(), k_proj_bias=None, v_proj_bias=b_v.clone(), bias_k=bias_k)
 
 
 def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | None, Tensor | None]:
@@ -96,10 +104,10 @@ def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | Non
     A dropped key bias comes back as zeros, so ``bias_k`` is returned as stored: the stock module
     with ``b_k = 0`` scores the appended key as ``q·bias_k``, as the slim one does.
     """
-    q, v, k = biases.q_proj_bias, biases.v_proj_bias, biases.k_proj_bias
+    q, k, v = biases.q_proj_bias, biases.k_proj_bias, biases.v_proj_bias
     # A plain loop, not next(generator, default): Dynamo on torch 2.4 cannot trace the latter.
     present = None
-    for tensor in (q, v, k):
+    for tensor in (q, k, v):
         if tensor is not None:
             present = tensor
             break
@@ -110,7 +118,7 @@ def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | Non
     return packed, biases.bias_k
 
 
-def fold_value_bias(
+def fold_value_bias_into_output(
     v_proj_bias: Tensor,
     out_proj_weight: Tensor,
     out_proj_bias: Tensor | None,

@@ -49,12 +49,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ._torch_compat import STOCK_MHA
 from .attention import SlimMultiheadAttention
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttention"]
 
-# The class slim derives from. Not looked up by name: while patched, names point at our class.
-_STOCK = SlimMultiheadAttention.__base__
+_STOCK = STOCK_MHA
 _NAME = "MultiheadAttention"
 # Where the stock class must be found for the patch to mean anything; the scan finds the rest.
 _REQUIRED_MODULES = (

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from slim_mha import SlimMultiheadAttention
 from _reference import randomize_parameters as randomize
 
-STOCK_MHA = SlimMultiheadAttention.__base__  # stock even while slim_mha.patched() is active
+from slim_mha._torch_compat import STOCK_MHA  # stock even while slim_mha.patched() is active
 
 
 def stock_attention(

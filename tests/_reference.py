@@ -9,13 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Relative to the largest magnitude of the expected tensor (see assert_close_scaled).
-TOLERANCE = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.bfloat16: 2e-2,
-    torch.float16: 1e-2,
-}
+from slim_mha._matrix import TOLERANCE
+
 
 # Captured at import, before any test patches torch.nn: always torch's own class.
 STOCK_MHA = nn.MultiheadAttention

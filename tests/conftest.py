@@ -11,7 +11,6 @@ import os
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from slim_mha.equivariance import ENVIRONMENT_VARIABLE, _mode
 
@@ -24,10 +23,9 @@ def fresh_equivariance_mode(monkeypatch):
     start of the mode's seed sequence, so a test sees the same permutations alone, in any order,
     or after other tests that ran checks.
     """
-    _mode._configure_environment(None)
-    monkeypatch.setattr(_mode, "_SEEDS", torch.Generator().manual_seed(_mode._SEEDS.initial_seed()))
+    _mode.reset(environment=None)
     yield
-    _mode._configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
+    _mode.reset(environment=os.environ.get(ENVIRONMENT_VARIABLE))
 
 
 @pytest.fixture

@@ -17,18 +17,15 @@ from torch import nn
 
 from _reference import TOLERANCE, attention_tokens
 from slim_mha import SlimMultiheadAttention
+from slim_mha._matrix import APPENDED, ATTENTION_KINDS, MODES, WEIGHTS
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 6, 3
 
 # TOLERANCE is relative to the largest magnitude of the reference tensor (see assert_close_scaled).
 
-ATTENTION_KINDS = ("self", "cross_shared_kv", "cross", "kdim_vdim")
-APPENDED = ("none", "bias_kv", "zero_attn", "both")
 MASKS = ("none", "bool", "float")
 ATTN_MASKS = ("none", "2d_bool", "2d_float", "3d_bool", "3d_float")
-WEIGHTS = ("none", "averaged", "per_head")
-MODES = ("train", "eval", "no_grad", "inference_mode")
 
 
 @dataclass(frozen=True)

@@ -69,3 +69,69 @@ def test_importing_the_benchmark_prints_no_numpy_warning():
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "NumPy" not in completed.stderr + completed.stdout
+
+
+# ------------------------------------------------------------------------------ import direction
+
+
+def _module_name(path: Path) -> str:
+    """``slim_mha/attention.py`` -> ``slim_mha.attention``; ``migration/cli.py`` -> ``slim_mha.migration.cli``."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = list(relative.parts)
+    if parts[0] == "migration":
+        parts = ["slim_mha", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def internal_imports() -> dict[str, set[str]]:
+    """Each of our modules -> our modules it imports anywhere, inside functions too."""
+    modules = {}
+    for folder in ("slim_mha", "migration"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            modules[_module_name(path)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                # ``from . import _mode`` imports the submodule; ``from .x import y`` imports x (and y,
+                # if y is itself a submodule of x).
+                targets = ([base] if node.module else []) + [f"{base}.{alias.name}" for alias in node.names]
+            edges |= {target for target in targets if target in modules and target != name}
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles_counting_imports_inside_functions():
+    graph = internal_imports()
+    assert "slim_mha.attention" in graph and "slim_mha.migration.cli" in graph
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for target in sorted(graph[name]):
+            # A package's __init__ is imported by its submodules' import: a submodule importing its own
+            # package is not a cycle unless the package imports it back, which the walk sees.
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if state.get(target) is None:
+                visit(target)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)

@@ -18,7 +18,8 @@ from slim_mha import (
     format_permutation_error,
     permutation_equivariance_error,
 )
-from slim_mha.equivariance import TOLERANCE, PermutationErrors, draw_permutation
+from slim_mha.equivariance import TOLERANCE, PermutationErrors
+from slim_mha.equivariance._measure import draw_permutation
 
 B, N, D = 2, 6, 5
 
@@ -548,8 +549,8 @@ def test_diverging_control_flow_is_reported():
 
 def test_errors_of_the_assertion_mode_inside_a_checked_model_carry_its_names():
     class Leak(SlimMultiheadAttention):
-        def _attend(self, query, *args):
-            output, weights = super()._attend(query, *args)
+        def _attend(self, call):
+            output, weights = super()._attend(call)
             return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 
     model = nn.Module()

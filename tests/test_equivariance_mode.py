@@ -24,7 +24,10 @@ from torch import nn
 
 from _reference import attention_tokens
 from slim_mha import EquivarianceError, SlimMultiheadAttention, checking_equivariance
-from slim_mha.equivariance import ENVIRONMENT_VARIABLE, TOLERANCE, _mode, draw_permutation
+from slim_mha._call import AttentionCall
+from slim_mha._matrix import APPENDED, ATTENTION_KINDS, WEIGHTS, appended_options
+from slim_mha.equivariance import ENVIRONMENT_VARIABLE, TOLERANCE, _mode
+from slim_mha.equivariance._measure import draw_permutation
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 7, 3
@@ -61,23 +64,24 @@ def _ramp(tensor: torch.Tensor, axis: int, height: float) -> torch.Tensor:
 class QueryPositionLeak(SlimMultiheadAttention):
     """Adds each query's position to its output row: the output no longer follows the queries."""
 
-    def _attend(self, query, key, value, *args):
-        output, weights = super()._attend(query, key, value, *args)
-        return output + _ramp(output, _token_axis(self, query), 0.5), weights
+    def _attend(self, call):
+        output, weights = super()._attend(call)
+        return output + _ramp(output, _token_axis(self, call.query), 0.5), weights
 
 
 class KeyPositionLeak(SlimMultiheadAttention):
     """Adds each key's position to the key: reordering keys and values changes the output."""
 
-    def _attend(self, query, key, value, *args):
-        return super()._attend(query, key + _ramp(key, _token_axis(self, key), 2.0), value, *args)
+    def _attend(self, call):
+        key = call.key + _ramp(call.key, _token_axis(self, call.key), 2.0)
+        return super()._attend(call._replace(key=key))
 
 
 class WeightColumnLeak(SlimMultiheadAttention):
     """Returns the right output but weights whose columns are rolled by one."""
 
-    def _attend(self, query, key, value, *args):
-        output, weights = super()._attend(query, key, value, *args)
+    def _attend(self, call):
+        output, weights = super()._attend(call)
         return output, None if weights is None else weights.roll(1, dims=-1)
 
 
@@ -102,8 +106,7 @@ class Case:
 def build(case: Case, cls=SlimMultiheadAttention, **options) -> SlimMultiheadAttention:
     torch.manual_seed(case.seed)
     kwargs = dict(
-        add_bias_kv=case.appended in ("bias_kv", "both"),
-        add_zero_attn=case.appended in ("zero_attn", "both"),
+        **appended_options(case.appended),
         batch_first=case.batch_first,
         dropout=0.25 if case.training else 0.0,
     )
@@ -161,12 +164,12 @@ def random_case(rng: random.Random, seed: int, dtype: torch.dtype = torch.float6
     return Case(
         batch_first=rng.random() < 0.5,
         batched=rng.random() < 0.75,
-        kind=rng.choice(["self", "cross_shared_kv", "cross", "kdim_vdim"]),
-        appended=rng.choice(["none", "bias_kv", "zero_attn", "both"]),
+        kind=rng.choice(ATTENTION_KINDS),
+        appended=rng.choice(APPENDED),
         mask_kind=mask_kind,
         key_padding_mask=rng.random() < 0.5,
         attn_mask=rng.choice(["none", "2d", "3d"]),
-        weights=rng.choice(["none", "averaged", "per_head"]),
+        weights=rng.choice(WEIGHTS),
         training=rng.random() < 0.3,
         dtype=dtype,
         seed=seed,
@@ -437,8 +440,8 @@ def test_environment_variable_end_to_end():
         from slim_mha import EquivarianceError, SlimMultiheadAttention
 
         class Leak(SlimMultiheadAttention):
-            def _attend(self, query, *args):
-                output, weights = super()._attend(query, *args)
+            def _attend(self, call):
+                output, weights = super()._attend(call)
                 return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 
         x = torch.randn(2, 5, 8)
@@ -550,7 +553,8 @@ def test_error_survives_pickling():
 class PositionalBias(SlimMultiheadAttention):
     """Adds a bias by query/key distance (ALiBi-like) to the mask: a mask that does not follow the tokens."""
 
-    def _attend(self, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal):
+    def _attend(self, call):
+        query, key, attn_mask = call.query, call.key, call.attn_mask
         axis = _token_axis(self, query)
         rows = torch.arange(query.shape[axis], dtype=query.dtype)
         columns = torch.arange(key.shape[axis], dtype=query.dtype)
@@ -558,7 +562,7 @@ class PositionalBias(SlimMultiheadAttention):
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(attn_mask, float("-inf"))
         attn_mask = bias if attn_mask is None else attn_mask + bias
-        return super()._attend(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, False)
+        return super()._attend(call._replace(attn_mask=attn_mask, is_causal=False))
 
 
 def causal_inputs(case: Case, mask_dtype: torch.dtype | None = None, **overrides) -> dict:
@@ -619,7 +623,7 @@ def test_is_causal_without_a_mask_has_nothing_to_permute():
     result = module(query, query, query, need_weights=False)
     with pytest.raises(EquivarianceError, match=r"is_causal=True and no attn_mask, which is order-dependent by "
                                                 r"construction .* Pass the causal mask as attn_mask"):
-        _mode.check_call(module, result, query, query, query, None, False, None, True, True)
+        _mode.check_call(module, result, AttentionCall(query, query, query, None, False, None, True, True))
 
 
 def test_an_explicit_causal_mask_is_permuted_with_its_tokens(checks):

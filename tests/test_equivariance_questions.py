@@ -88,7 +88,7 @@ def test_torch_equal_is_the_wrong_test():
     bit_exact = []
     for seed in range(5):
         x = torch.randn(4, 96, 64, generator=torch.Generator().manual_seed(seed))
-        permutation = slim_mha.equivariance.draw_permutation(96, seed)
+        permutation = slim_mha.equivariance._measure.draw_permutation(96, seed)
         with torch.no_grad():
             moved_after = attention(x, x, x)[0][:, permutation]
             moved_before = attention(x[:, permutation], x[:, permutation], x[:, permutation])[0]

@@ -49,7 +49,7 @@ def stock_checkpoint(tmp_path):
     """A stock model with every parameter random (so every bias matters), saved with save_pretrained."""
     torch.manual_seed(0)
     model = transformers.SiglipVisionModel(tiny_config()).eval()
-    assert type(model.head.attention) is slim_mha.SlimMultiheadAttention.__base__
+    assert type(model.head.attention) is slim_mha._torch_compat.STOCK_MHA
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.5)
@@ -132,5 +132,5 @@ def test_save_pretrained_round_trips_under_patch_and_to_stock_for_stock_readers(
     assert_close_scaled(pooled(reloaded), pooled(stock), "slim save, slim load")
     slim_mha.to_stock(model).save_pretrained(tmp_path / "saved_stock")  # stock layout: for everyone
     for_stock = transformers.SiglipVisionModel.from_pretrained(tmp_path / "saved_stock").eval()
-    assert type(for_stock.head.attention) is slim_mha.SlimMultiheadAttention.__base__
+    assert type(for_stock.head.attention) is slim_mha._torch_compat.STOCK_MHA
     assert_close_scaled(pooled(for_stock), pooled(stock), "to_stock save, stock load")

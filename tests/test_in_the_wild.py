@@ -90,7 +90,7 @@ def in_place_on_every_parameter(update):
 
 def test_no_graph_forward_uses_the_packed_tensor_itself_and_a_graph_uses_the_parameters():
     """No per-call work without a graph (the bias is the in_proj_bias object); with one, a cat."""
-    from slim_mha import _packed_bias
+    from slim_mha import _packed_tensor as _packed_bias
 
     _, slim = stock_and_slim()
     with torch.no_grad():

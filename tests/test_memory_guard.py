@@ -16,7 +16,7 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _memory_guard as guard
-from slim_mha._explicit_attention import _query_rows_per_block
+from slim_mha._explicit_attention import _query_rows_per_block, plan_weights_path
 from slim_mha.bench.memory import profile_step
 
 EMBED_DIM = 8
@@ -43,7 +43,8 @@ def slim_and_stock(num_heads: int):
 
 def estimate(grad: bool, average: bool, heads: int, tokens: int, device: str = "cpu") -> tuple[int, str]:
     q = torch.empty(1, heads, tokens, EMBED_DIM // heads, device=device)  # (B, H, L, D)
-    return guard.weights_path_bytes(q, tokens, average=average, records_graph=grad)
+    plan = plan_weights_path(q, tokens, dropout_p=0.0, average=average, records_graph=grad)
+    return guard.weights_path_bytes(q, tokens, plan)
 
 
 def test_the_cases_take_the_paths_they_are_named_after():

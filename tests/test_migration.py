@@ -399,7 +399,7 @@ def test_verify_catches_a_wrong_fold_and_writes_nothing(tmp_path, monkeypatch):
 
     def forgetful_fold(in_proj_bias, bias_k=None, *, add_zero_attn=False):
         b_q, _, b_v = in_proj_bias.chunk(3)
-        return SlimBiases(b_q, b_v, None, bias_k)
+        return SlimBiases(q_proj_bias=b_q, k_proj_bias=None, v_proj_bias=b_v, bias_k=bias_k)
 
     monkeypatch.setattr(plan, "fold_key_bias", forgetful_fold)
     source = tmp_path / "in.safetensors"

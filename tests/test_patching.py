@@ -294,17 +294,20 @@ def test_public_api_is_exported():
         assert name in slim_mha.__all__ and callable(getattr(slim_mha, name))
 
 
-@pytest.mark.parametrize("first", ["import slim_mha", "import slim_mha.convert", "import slim_mha.migration.cli",
+@pytest.mark.parametrize("first", ["import slim_mha", "import slim_mha.conversion", "import slim_mha.migration.cli",
                                    "from slim_mha import *"])
 def test_package_names_are_the_documented_objects_whatever_is_imported_first(first):
     # The package binds its names on first use (so the migration CLI can import torch inside its
-    # Ctrl-C guard); a submodule imported first must not shadow the function of the same name.
+    # Ctrl-C guard); no submodule shares a name with a public function, whatever is imported first.
     probe = f"""
 import sys
 {first}
 torch_before = 'torch' in sys.modules
-import slim_mha, slim_mha.convert, types
+import slim_mha, slim_mha.conversion, types
 assert callable(slim_mha.convert), slim_mha.convert
+import pkgutil
+submodules = {{info.name for info in pkgutil.iter_modules(slim_mha.__path__)}}
+assert not submodules & set(slim_mha.__all__), submodules & set(slim_mha.__all__)
 assert slim_mha.SlimMultiheadAttention.__module__ == 'slim_mha.attention'
 for name in slim_mha.__all__:  # every public name is the object a submodule defines, never a submodule
     value = getattr(slim_mha, name)

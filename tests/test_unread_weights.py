@@ -25,7 +25,7 @@ from torch import nn
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention, convert, patch, patched, unpatch, unread_weights_report
-from slim_mha import _unread_weights
+from slim_mha import unread_weights as _unread_weights
 from slim_mha import attention as attention_module
 from slim_mha.bench.detr import DetrShape, DetrStyleDecoderLayer, detr_inputs, explicit_softmax_calls
 
@@ -558,8 +558,8 @@ def test_functorch_transforms_keep_the_weights(spy):
     # vmap: slim's weights path itself does not run under vmap yet (softmax with out=), so the
     # decision is checked on its own: inside the transform, nothing is skipped.
     seen = []
-    torch.func.vmap(lambda query: seen.append(_unread_weights._tracing(query)) or query)(q)
-    assert seen == [True] and _unread_weights._tracing(q) is False
+    torch.func.vmap(lambda query: seen.append(_unread_weights.is_symbolic_call(query)) or query)(q)
+    assert seen == [True] and _unread_weights.is_symbolic_call(q) is False
 
 
 # --------------------------------------------------------------------------------- the cache

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..convert import convert
+from ..conversion import convert
 from .contenders import Contender, _clear_grads, _inference_step, _training_step, output_error
 from .memory import _profiler_chatter_silenced
 from .report import _mib, _ratio

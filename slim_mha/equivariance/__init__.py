@@ -21,20 +21,14 @@ output's largest magnitude.
   first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).
 """
 
-from ._checker import (
-    Culprit,
-    OutputCheck,
-    PermutationErrors,
-    SubmoduleCheck,
-    assert_permutation_equivariant,
-    assert_permutation_invariant,
-    format_permutation_error,
-    permutation_equivariance_error,
-)
-from ._locate import CallSite
-from ._measure import TOLERANCE, EquivarianceError, TensorError, draw_permutation
+from ._checker import assert_permutation_equivariant, assert_permutation_invariant, permutation_equivariance_error
+from ._locate import Culprit
+from ._measure import TOLERANCE, EquivarianceError
 from ._mode import ENVIRONMENT_VARIABLE, checking_equivariance
+from ._report import PermutationErrors, format_permutation_error
 
+# The public surface. The records inside a result (OutputCheck, SubmoduleCheck, CallSite, TensorError)
+# are reached through PermutationErrors' attributes and documented there.
 __all__ = [
     "EquivarianceError",
     "checking_equivariance",
@@ -43,12 +37,7 @@ __all__ = [
     "permutation_equivariance_error",
     "format_permutation_error",
     "PermutationErrors",
-    "OutputCheck",
-    "SubmoduleCheck",
     "Culprit",
-    "CallSite",
-    "TensorError",
     "TOLERANCE",
     "ENVIRONMENT_VARIABLE",
-    "draw_permutation",
 ]

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from . import _mode
-from ._locate import Culprit, SubmoduleCheck, compare_calls, describe_trailing_code, find_culprit, flatten, readings, recording
-from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
+from ._locate import Culprit, SubmoduleCheck, compare_calls, flatten, readings, recording
+from ._measure import EquivarianceError, draw_permutation, format_indices, measure_error, permute
+from ._report import OutputCheck, PermutationErrors, blamed_module, format_permutation_error, format_shape, subject_of
 
 __all__ = [
     "Culprit",
@@ -61,79 +62,6 @@ class _SameAsDim:
 
 
 SAME_AS_DIM = _SameAsDim()
-
-
-# ------------------------------------------------------------------------------------ results
-
-
-@dataclass(frozen=True)
-class OutputCheck:
-    """One tensor output of the checked function.
-
-    Attributes:
-        name: ``"output"`` for a single tensor, ``"output[1]"``, ``"output['logits']"`` inside containers.
-        error: against the requested expectation (permuted along ``error.dims``, or unchanged).
-        alternatives: against the other readings (unchanged; permuted along each axis whose length
-            is the number of tokens, or all of them), to tell what the output does instead.
-    """
-
-    name: str
-    error: TensorError
-    alternatives: tuple[TensorError, ...]
-
-    def observed(self, tolerance: float | None = None) -> str | None:
-        """The first other reading the output matches (``"unchanged"``, ``"permuted along dim 0"``), if any."""
-        for alternative in self.alternatives:
-            if alternative.passed(tolerance):
-                return _describe_dims(alternative.dims)
-        return None
-
-
-@dataclass(frozen=True)
-class PermutationErrors:
-    """What :func:`permutation_equivariance_error` measured.
-
-    Attributes:
-        subject: what was checked (a class name or a function's qualified name).
-        outputs: one :class:`OutputCheck` per tensor output, in the order the function returned them.
-        permutation: the permutation applied to the inputs (CPU int64): ``x'[i] = x[permutation[i]]``.
-        seed: the seed it was drawn from, or ``None`` when it was given.
-        input_dims: the permuted axes of each input (``()``: not permuted).
-        submodules: every submodule call, in the order the calls finished; ``None`` unless asked for.
-        submodule_note: why the submodule comparison stopped early, if it did.
-    """
-
-    subject: str
-    outputs: tuple[OutputCheck, ...]
-    permutation: Tensor
-    seed: int | None
-    input_dims: tuple[tuple[int, ...], ...]
-    submodules: tuple[SubmoduleCheck, ...] | None = None
-    submodule_note: str = ""
-
-    @property
-    def invariant(self) -> bool:
-        """Whether every output was expected unchanged (an invariance check)."""
-        return all(not output.error.dims for output in self.outputs)
-
-    @property
-    def max_rel(self) -> float:
-        """The largest relative error over the outputs."""
-        return max((output.error.max_rel for output in self.outputs), default=0.0)
-
-    def passed(self, tolerance: float | None = None) -> bool:
-        return all(output.error.passed(tolerance) for output in self.outputs)
-
-    def first_broken_submodule(self, tolerance: float | None = None) -> SubmoduleCheck | None:
-        """The first submodule call, in finishing order, whose output matches no reading."""
-        for call in self.submodules or ():
-            if not call.passed(tolerance):
-                return call
-        return None
-
-    def culprit(self, tolerance: float | None = None) -> Culprit | None:
-        """Where the property first broke: a submodule, or the code between two calls (see :mod:`._locate`)."""
-        return find_culprit(self.submodules or (), tolerance)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -214,7 +142,7 @@ def permutation_equivariance_error(
     if submodules and module is not None:
         submodule_checks, note = compare_calls(original_calls, permuted_calls, length, permutation)
     return PermutationErrors(
-        subject=_subject(fn),
+        subject=subject_of(fn),
         outputs=outputs,
         permutation=permutation,
         seed=seed,
@@ -322,138 +250,11 @@ def _raise_if_broken(fn: Callable, inputs: tuple, result: PermutationErrors, tol
     raise EquivarianceError(
         format_permutation_error(result, tolerance),
         errors=broken,
-        module_name=_blamed_module(result, tolerance),
+        module_name=blamed_module(result, tolerance),
         seed=result.seed,
         permutations={"inputs": result.permutation},
         result=result,
     )
-
-
-# --------------------------------------------------------------------------------- formatting
-
-
-def format_permutation_error(result: PermutationErrors, tolerance: float | None = None) -> str:
-    """The report: each output against its tolerance, the first broken submodule, the permutation."""
-    kind = "invariant" if result.invariant else "equivariant"
-    broken = [output for output in result.outputs if not output.error.passed(tolerance)]
-    if broken:
-        lines = [f"{result.subject} is not permutation-{kind}: {len(broken)} of {len(result.outputs)} outputs broke"]
-    else:
-        lines = [f"{result.subject} is permutation-{kind} within tolerance"]
-    for output in result.outputs:
-        error = output.error
-        status = "ok" if error.passed(tolerance) else "BROKEN"
-        lines.append(
-            f"  {output.name} {_shape(error.shape)} {str(error.dtype).removeprefix('torch.')}, "
-            f"expected {_describe_dims(error.dims)}: {status}, {error.describe(tolerance)}"
-        )
-        if not error.passed(tolerance):
-            observed = output.observed(tolerance)
-            lines.append(
-                f"    it is {observed} instead" if observed else
-                f"    it is neither unchanged nor permuted along any axis of length {len(result.permutation)}"
-            )
-    if broken:
-        lines.extend(_locate_lines(result, tolerance, broken))
-    inputs = ", ".join(
-        f"input {index} on dim{'s' if len(dims) > 1 else ''} {_axes(dims)}"
-        for index, dims in enumerate(result.input_dims)
-        if dims
-    )
-    seed = f"seed {result.seed}" if result.seed is not None else "given"
-    lines.append(
-        f"  permutation ({seed}, {len(result.permutation)} tokens): {format_indices(result.permutation)}; "
-        f"permuted: {inputs}"
-    )
-    return "\n".join(lines)
-
-
-def _blamed_module(result: PermutationErrors, tolerance: float | None) -> str | None:
-    """The culprit's module name; ``""`` when the checked module's own code after its submodules broke it."""
-    culprit = result.culprit(tolerance)
-    if culprit is not None:
-        return culprit.module_name
-    broken = [output for output in result.outputs if not output.error.passed(tolerance)]
-    if result.submodules is None or all(output.observed(tolerance) for output in broken):
-        return None
-    return ""
-
-
-def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: list[OutputCheck]) -> list[str]:
-    culprit = result.culprit(tolerance)
-    lines = []
-    if culprit is not None and culprit.kind == "submodule":
-        call = culprit.submodule
-        lines.append(
-            f"  first submodule, in execution order, whose output is neither unchanged nor permuted along "
-            f"its token axes: '{call.name}' ({call.type_name}, call {call.call + 1}), "
-            f"after {_calls(culprit.kept)} that kept it"
-        )
-        closest = call.broken_output(tolerance)
-        if call.note:
-            lines.append(f"    {call.note}")
-        elif closest is not None:
-            lines.append(
-                f"    its {closest.name} {_shape(closest.shape)}, closest reading "
-                f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
-            )
-        if culprit.code:
-            lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
-    elif culprit is not None:
-        call = culprit.submodule
-        closest = call.broken_input(tolerance)
-        lines.append(f"  the break is in {culprit.code}{_at(culprit.location)}")
-        lines.append(
-            f"    '{call.name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
-            f"unchanged nor permuted along its token axes, after {_calls(culprit.kept)} that kept it: its "
-            f"{closest.name} {_shape(closest.shape)}, closest reading '{_describe_dims(closest.dims)}': "
-            f"{closest.describe(tolerance)}"
-        )
-    elif all(output.observed(tolerance) for output in broken):
-        lines.append(
-            "  each broken output matches another reading (above): the function is consistent, "
-            "just not in the way output_dim asked"
-        )
-    elif result.submodules is None:
-        lines.append("  (fn is not an nn.Module: pass module=... to find the submodule that breaks it)")
-    else:
-        code, location = describe_trailing_code(result.submodules)
-        where = f": {code}{_at(location)}" if code else ""
-        lines.append(
-            f"  no submodule call breaks it ({len(result.submodules)} compared): the break is in "
-            f"{result.subject}'s own forward code, between its submodules or after them{where}"
-        )
-    if result.submodule_note:
-        lines.append(f"  ({result.submodule_note})")
-    return lines
-
-
-def _calls(count: int) -> str:
-    return f"{count} submodule call{'s' if count != 1 else ''}"
-
-
-def _at(location: str) -> str:
-    return f" ({location})" if location else ""
-
-
-def _describe_dims(dims: tuple[int, ...]) -> str:
-    if not dims:
-        return "unchanged"
-    return f"permuted along dim{'s' if len(dims) > 1 else ''} {_axes(dims)}"
-
-
-def _axes(dims: tuple[int, ...]) -> str:
-    return str(dims[0]) if len(dims) == 1 else str(tuple(dims))
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ")"
-
-
-def _subject(fn: Callable) -> str:
-    if isinstance(fn, nn.Module):
-        return type(fn).__name__
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 # ------------------------------------------------------------------------------ the arguments
@@ -485,7 +286,7 @@ def _input_dims(dim, inputs: tuple) -> tuple[tuple[int, ...], ...]:
         if entry is None:
             result.append(())
         else:
-            result.append(_axes_of(entry, x.dim(), f"{where} for input {index} {_shape(tuple(x.shape))}"))
+            result.append(_axes_of(entry, x.dim(), f"{where} for input {index} {format_shape(tuple(x.shape))}"))
     return tuple(result)
 
 
@@ -550,11 +351,11 @@ def _output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list
         if not isinstance(leaf, Tensor):
             result.append(())
             continue
-        axes = _axes_of(entry, leaf.dim(), f"output_dim for {name} {_shape(tuple(leaf.shape))}")
+        axes = _axes_of(entry, leaf.dim(), f"output_dim for {name} {format_shape(tuple(leaf.shape))}")
         for axis in axes:
             if leaf.shape[axis] != length:
                 raise ValueError(
-                    f"{name} has shape {_shape(tuple(leaf.shape))}: dim {axis} has {leaf.shape[axis]} entries but "
+                    f"{name} has shape {format_shape(tuple(leaf.shape))}: dim {axis} has {leaf.shape[axis]} entries but "
                     f"the inputs have {length} tokens; pass output_dim with the axes that carry the tokens, "
                     "or None for an output that should not change"
                 )

@@ -45,9 +45,11 @@ from weakref import WeakKeyDictionary, WeakSet
 import torch
 from torch import Tensor, nn
 
+from .._call import AttentionCall
+from .._torch_compat import is_capturing_or_transforming
 from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
 
-__all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "resolve_options", "naming"]
+__all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "naming", "reset", "resolve_options"]
 
 ENVIRONMENT_VARIABLE = "SLIM_MHA_CHECK_EQUIVARIANCE"
 
@@ -177,11 +179,15 @@ def checking_equivariance(model: nn.Module | None = None, *, every: int = 1, str
         _SCOPE.reset(scope_token)
 
 
+def _checks_its_calls(module: nn.Module) -> bool:
+    # Slim attention is the attention class that declares the option (read off the class, so this
+    # module needs no import of the attention module, which imports it).
+    return isinstance(module, nn.MultiheadAttention) and hasattr(type(module), "check_equivariance")
+
+
 def _report_nothing_to_check(model: nn.Module, strict: bool) -> None:
     """Warn once per model (raise when strict) if no module in it would be checked: a silent no-op."""
-    from ..attention import SlimMultiheadAttention  # here: attention imports this module
-
-    slim = [module for module in model.modules() if isinstance(module, SlimMultiheadAttention)]
+    slim = [module for module in model.modules() if _checks_its_calls(module)]
     if any(module.check_equivariance is not False for module in slim):
         return
     if slim:
@@ -217,18 +223,7 @@ def naming(model: nn.Module | None) -> Iterator[None]:
 # --------------------------------------------------------------------------------- the check
 
 
-def check_call(
-    module: nn.Module,
-    result: tuple[Tensor, Tensor | None],
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Tensor | None,
-    need_weights: bool,
-    attn_mask: Tensor | None,
-    average_attn_weights: bool,
-    is_causal: bool,
-) -> None:
+def check_call(module: nn.Module, result: tuple[Tensor, Tensor | None], call: AttentionCall) -> None:
     """Called by ``SlimMultiheadAttention.forward`` when checking may be on; checks this call if due.
 
     Raises:
@@ -241,7 +236,7 @@ def check_call(
     every = _sampling_period(module)
     if every is None:
         return
-    if is_causal and attn_mask is None:
+    if call.is_causal and call.attn_mask is None:
         raise EquivarianceError(
             f"{_label(module)} was called with is_causal=True and no attn_mask, which is order-dependent by "
             "construction (query i attends only to keys j <= i) and leaves no mask to permute with the "
@@ -252,12 +247,9 @@ def check_call(
         )
     count = _CALLS.get(module, 0)
     _CALLS[module] = count + 1
-    if count % every or query.is_nested or key.is_nested or value.is_nested:
+    if count % every or call.query.is_nested or call.key.is_nested or call.value.is_nested:
         return
-    check = _AttentionCheck(
-        module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-    )
-    check.run(result)
+    _AttentionCheck(module, call).run(result)
 
 
 def _transformed() -> bool:
@@ -268,10 +260,7 @@ def _transformed() -> bool:
     wrapped tensors, draw random permutations inside ``vmap`` (an error in its default randomness
     mode) and check one batched call for all the mapped ones.
     """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return True
-    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(transforms_active is not None and transforms_active())
+    return is_capturing_or_transforming()
 
 
 def _sampling_period(module: nn.Module) -> int | None:
@@ -290,9 +279,8 @@ def _sampling_period(module: nn.Module) -> int | None:
 class _AttentionCheck:
     """One checked call: its detached inputs, the permutations, and the recomputations."""
 
-    def __init__(
-        self, module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-    ):
+    def __init__(self, module, call: AttentionCall):
+        query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal = call
         self.module = module
         # With a mask, is_causal is only a hint that it is the causal one: the recomputations pass the
         # permuted mask instead (no longer causal), and the call's own result is the reference.
@@ -346,7 +334,7 @@ class _AttentionCheck:
             if attn_mask is not None:
                 attn_mask = permute(attn_mask, (-1,), self.key_permutation)
         return self.module._attend(
-            query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
+            AttentionCall(query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False)
         )
 
     def _compare(self, reference, permute_queries: bool, permute_keys: bool) -> list[TensorError]:
@@ -437,6 +425,16 @@ def _without_dropout(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.training = True
+
+
+def reset(environment: str | None = None) -> None:
+    """Back to the state of a fresh process whose environment variable is ``environment``: the checks'
+    seed sequence from its start, no call counted, no model warned about. For tests and notebooks."""
+    with _LOCK:
+        _SEEDS.manual_seed(_SEEDS.initial_seed())
+        _CALLS.clear()
+        _WARNED.clear()
+    _configure_environment(environment)
 
 
 def _next_seed() -> int:

@@ -28,30 +28,16 @@ from torch import nn
 from torch.nn.parameter import Parameter
 from torch.nn.utils import parametrize
 
-from . import _unread_weights
+from . import unread_weights
+from ._swap import build_stock, load_shared, refuse_folded_value_bias
+from ._torch_compat import STOCK_MHA
 from .attention import SlimMultiheadAttention
-from .bias import fold_value_bias as _fold_value_bias_tensors
+from .bias import BIAS_NAMES, fold_value_bias_into_output
 from .patching import PatchedMultiheadAttention
 
 __all__ = ["convert", "to_stock", "fold_value_bias"]
 
-# Looked up through slim's base, not by name: while patched, torch.nn's name points at slim.
-_STOCK = SlimMultiheadAttention.__base__
 _SLIM_TYPES = (SlimMultiheadAttention, PatchedMultiheadAttention)
-_SPLIT_BIASES = ("q_proj_bias", "k_proj_bias", "v_proj_bias")
-_HOOK_ATTRIBUTES = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
 
 
 def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Module:
@@ -63,8 +49,8 @@ def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Modul
     Returns:
         ``module``, or the new slim module when ``module`` itself is a stock attention module.
     """
-    skip = _unread_weights.resolve_option(skip_unread_weights)
-    _refuse_parametrized(module, _STOCK, "nn.MultiheadAttention", "convert")
+    skip = unread_weights.resolve_option(skip_unread_weights)
+    _refuse_parametrized(module, STOCK_MHA, "nn.MultiheadAttention", "convert")
     return _swap_modules(module, _is_stock, functools.partial(_build_slim, skip_unread_weights=skip))
 
 
@@ -79,14 +65,10 @@ def to_stock(module: nn.Module) -> nn.Module:
         ``module``, or the new stock module when ``module`` itself is a slim attention module.
     """
     _refuse_parametrized(module, SlimMultiheadAttention, "slim attention module", "to_stock")
-    for name, child in module.named_modules():
-        if _is_slim(child) and child.q_proj_bias is not None and child.v_proj_bias is None:
-            raise ValueError(
-                f"to_stock: module {_describe(name)} had its value bias folded into out_proj.bias "
-                "(fold_value_bias), which stock cannot represent exactly: on a query row masked from every "
-                "key stock outputs out_proj.bias, the fold adds W_o·b_v. Convert the model before folding it"
-            )
-    return _swap_modules(module, _is_slim, _build_stock)
+    for name, child in module.named_modules():  # all checked before anything is swapped
+        if _is_slim(child):
+            refuse_folded_value_bias(child, _describe(name), "to_stock")
+    return _swap_modules(module, _is_slim, build_stock)
 
 
 def fold_value_bias(module: nn.Module) -> nn.Module:
@@ -144,7 +126,7 @@ def fold_value_bias(module: nn.Module) -> nn.Module:
 
 
 def _is_stock(module: nn.Module) -> bool:
-    return type(module) is _STOCK
+    return type(module) is STOCK_MHA
 
 
 def _is_slim(module: nn.Module) -> bool:
@@ -184,72 +166,14 @@ def _build_slim(stock: nn.MultiheadAttention, *, skip_unread_weights: bool = Fal
     )
     flags = {name: parameter.requires_grad for name, parameter in stock.named_parameters()}
     packed_flag = flags.get("in_proj_bias", True)  # the split biases inherit the packed one's flag
-    _load_shared(slim, stock, lambda name: packed_flag if name in _SPLIT_BIASES else flags[name])
+    load_shared(slim, stock, lambda name: packed_flag if name in BIAS_NAMES else flags[name])
     return slim
-
-
-def _build_stock(slim: SlimMultiheadAttention) -> nn.MultiheadAttention:
-    stock = _STOCK(
-        slim.embed_dim,
-        slim.num_heads,
-        slim.dropout,
-        bias=slim.q_proj_bias is not None,
-        add_bias_kv=slim.bias_k is not None,
-        add_zero_attn=slim.add_zero_attn,
-        kdim=slim.kdim,
-        vdim=slim.vdim,
-        batch_first=slim.batch_first,
-        device="meta",
-    )
-    state = slim.state_dict(keep_vars=True)
-    for name in _SPLIT_BIASES:
-        state.pop(name, None)
-    # The stock view: in_proj_bias (its key slot included) with bias_k as it is has slim's function.
-    # (state_dict folds a written key slot into bias_k; here the slot stays, so bias_k is taken raw.)
-    packed = slim.in_proj_bias
-    if packed is not None:
-        state["in_proj_bias"] = packed.detach().clone()
-    if slim.bias_k is not None:
-        state["bias_k"] = slim.bias_k
-    flags = {name: parameter.requires_grad for name, parameter in slim.named_parameters()}
-    # One packed parameter from up to three: trainable if any part was (a folded v bias has no flag).
-    packed_flag = any(flags[name] for name in _SPLIT_BIASES if name in flags)
-    _load_shared(stock, slim, lambda name: packed_flag if name == "in_proj_bias" else flags[name], state)
-    return stock
-
-
-def _load_shared(
-    new: nn.Module,
-    old: nn.Module,
-    requires_grad_of: Callable[[str], bool],
-    state: dict | None = None,
-) -> None:
-    """Give the meta-built ``new`` the tensors, flags, submodule and hooks of ``old``.
-
-    ``load_state_dict(assign=True)`` keeps each target parameter's ``requires_grad`` and sets it on
-    the assigned tensor, so the flags are put on the meta parameters first.
-    """
-    new.out_proj = old.out_proj
-    for name, parameter in new.named_parameters():
-        if parameter.is_meta:
-            parameter.requires_grad_(requires_grad_of(name))
-    if state is None:
-        state = old.state_dict(keep_vars=True)
-    new.load_state_dict(state, strict=True, assign=True)
-    new.training = old.training
-    for attribute in _HOOK_ATTRIBUTES:
-        hooks = old.__dict__.get(attribute)
-        if hooks is None:
-            continue
-        hooks.update(new.__dict__.get(attribute, {}))  # none today; kept if the class ever adds one
-        new.__dict__[attribute] = hooks
-    new.__dict__["_is_full_backward_hook"] = old.__dict__.get("_is_full_backward_hook")
 
 
 def _fold_one(attention: SlimMultiheadAttention) -> None:
     out_proj = attention.out_proj
     with torch.no_grad():
-        out_bias, bias_v = _fold_value_bias_tensors(
+        out_bias, bias_v = fold_value_bias_into_output(
             attention.v_proj_bias,
             out_proj.weight,
             out_proj.bias,

@@ -58,8 +58,11 @@ from types import CodeType, FrameType
 from typing import TextIO
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+
 from torch.nn.modules import module as _torch_module
+
+from ._torch_compat import STOCK_MHA, is_symbolic_call
 
 __all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread_weights_report", "weights_discarded"]
 
@@ -80,8 +83,6 @@ _SINGLE_STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_GLOBAL", "STORE_
 _HARMLESS_LOCAL_USES = frozenset({"STORE_FAST", "DELETE_FAST"})
 _PADDING = frozenset({"EXTENDED_ARG", "NOP"})
 
-# torch's own class: slim_mha is imported before it can patch torch.nn, so this is never ours.
-_STOCK = nn.MultiheadAttention
 _CACHE_LIMIT = 4096  # call sites; code objects built at run time (exec) would otherwise pile up
 
 
@@ -113,32 +114,12 @@ def weights_discarded(module: nn.Module, query: object) -> bool:
 
     Called from ``forward`` itself (its frame is the one just below this function's).
     """
-    if _tracing(query):
+    if is_symbolic_call(query):
         return False
     return _discarding_caller(sys._getframe(1), module) is not None
 
 
 # ------------------------------------------------------------------------------- the proof
-
-
-def _tracing(query: object) -> bool:
-    """Whether this call is being traced or transformed.
-
-    ``torch.jit.script`` needs no check: scripted code never runs this Python.
-    """
-    return (
-        torch.compiler.is_compiling()  # first: Dynamo folds it to True and traces nothing below
-        or _is_exporting()
-        or torch._C._get_tracing_state() is not None  # torch.jit.trace
-        or not isinstance(query, Tensor)  # FX proxies and other stand-ins
-        or torch._C._functorch.peek_interpreter_stack() is not None  # vmap, grad, jacrev, ...
-        or torch._C._len_torch_dispatch_stack() > 0  # make_fx, FakeTensorMode, non-strict export
-    )
-
-
-def _is_exporting() -> bool:
-    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.5; older export runs dynamo
-    return is_exporting is not None and is_exporting()
 
 
 def _torch_call_frames() -> tuple[CodeType, frozenset[CodeType]]:
@@ -346,9 +327,9 @@ _AUDIT = _AuditState()
 
 def _audit_hook(module: nn.Module, args: tuple, output: object) -> None:
     # Stock's class is slim's base: stock and slim modules alike (and the patched class).
-    if not isinstance(module, _STOCK) or not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
+    if not isinstance(module, STOCK_MHA) or not isinstance(output, tuple) or len(output) != 2 or output[1] is None:
         return
-    if _tracing(output[0]):
+    if is_symbolic_call(output[0]):
         return
     caller = _discarding_caller(sys._getframe(0), module)
     if caller is None:
