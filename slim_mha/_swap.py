@@ -16,7 +16,7 @@ from torch import nn
 from ._torch_compat import MODULE_HOOK_ATTRIBUTES, STOCK_MHA
 from .bias import BIAS_NAMES, STOCK_BIAS_NAME
 
-__all__ = ["build_stock", "load_shared", "refuse_folded_value_bias"]
+__all__ = ["build_stock", "load_shared", "meta_options", "refuse_folded_value_bias"]
 
 
 def refuse_folded_value_bias(module: nn.Module, where: str, caller: str) -> None:
@@ -29,21 +29,27 @@ def refuse_folded_value_bias(module: nn.Module, where: str, caller: str) -> None
         )
 
 
+def meta_options(module: nn.Module, *, bias: bool) -> dict:
+    """Constructor arguments for a module of ``module``'s shape in either layout, on the meta device
+    (no allocation or random draws: every tensor is assigned afterwards)."""
+    return dict(
+        embed_dim=module.embed_dim,
+        num_heads=module.num_heads,
+        dropout=module.dropout,
+        bias=bias,
+        add_bias_kv=module.bias_k is not None,
+        add_zero_attn=module.add_zero_attn,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        batch_first=module.batch_first,
+        device="meta",
+    )
+
+
 def build_stock(slim: nn.Module) -> nn.MultiheadAttention:
     """The stock module computing what ``slim`` computes: ``in_proj_bias`` as slim's view (its key
     slot included) and ``bias_k`` as slim holds it. Always torch's own class, patched or not."""
-    stock = STOCK_MHA(
-        slim.embed_dim,
-        slim.num_heads,
-        slim.dropout,
-        bias=slim.q_proj_bias is not None,
-        add_bias_kv=slim.bias_k is not None,
-        add_zero_attn=slim.add_zero_attn,
-        kdim=slim.kdim,
-        vdim=slim.vdim,
-        batch_first=slim.batch_first,
-        device="meta",
-    )
+    stock = STOCK_MHA(**meta_options(slim, bias=slim.q_proj_bias is not None))
     state = slim.state_dict(keep_vars=True)
     for name in BIAS_NAMES:
         state.pop(name, None)

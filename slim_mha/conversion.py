@@ -29,7 +29,7 @@ from torch.nn.parameter import Parameter
 from torch.nn.utils import parametrize
 
 from . import unread_weights
-from ._swap import build_stock, load_shared, refuse_folded_value_bias
+from ._swap import build_stock, load_shared, meta_options, refuse_folded_value_bias
 from ._torch_compat import STOCK_MHA
 from .attention import SlimMultiheadAttention
 from .bias import BIAS_NAMES, fold_value_bias_into_output
@@ -152,17 +152,7 @@ def _swap_modules(
 
 def _build_slim(stock: nn.MultiheadAttention, *, skip_unread_weights: bool = False) -> SlimMultiheadAttention:
     slim = SlimMultiheadAttention(
-        stock.embed_dim,
-        stock.num_heads,
-        stock.dropout,
-        bias=stock.in_proj_bias is not None,
-        add_bias_kv=stock.bias_k is not None,
-        add_zero_attn=stock.add_zero_attn,
-        kdim=stock.kdim,
-        vdim=stock.vdim,
-        batch_first=stock.batch_first,
-        device="meta",  # no allocation or random draws: every tensor is assigned below
-        skip_unread_weights=skip_unread_weights,
+        **meta_options(stock, bias=stock.in_proj_bias is not None), skip_unread_weights=skip_unread_weights
     )
     flags = {name: parameter.requires_grad for name, parameter in stock.named_parameters()}
     packed_flag = flags.get("in_proj_bias", True)  # the split biases inherit the packed one's flag
