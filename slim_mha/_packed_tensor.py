@@ -252,12 +252,10 @@ def stock_view(module) -> Tensor | None:
 def _sync(module, *, take_new_parameters: bool = False, owned: bool = False) -> Tensor | None:
     """Make the parameters views of the packed tensor again, if needed and allowed; return it or None.
 
-    Only the parameter objects aliased before are re-pointed, unless ``take_new_parameters``; and
-    only parameters whose memory is their own, unless ``owned`` (places that own what they
-    register: ``_apply``, loading, unpickling). Parameter objects
-    registered by others may have memory someone else manages: FSDP2 registers its unsharded
-    parameters with ``setattr`` and later refills their memory, so re-pointing them would freeze
-    them at stale values. Such parameters stay where they are; the forward builds the bias from them.
+    Only the objects aliased before are re-pointed, unless ``take_new_parameters``; and only those
+    whose memory is their own, unless ``owned``. FSDP2 registers unsharded parameters with ``setattr``
+    and refills their memory later: re-pointing them would freeze stale values, so they stay where
+    they are and the forward builds the bias from them.
 
     Resolves who changed since the last check: if only ``in_proj_bias`` got new data, the parameters
     take it; if only parameters did, the packed tensor is rebuilt from them (same object, new
@@ -343,9 +341,13 @@ def _gather_gradient(module, packed: Tensor) -> Tensor | None:
     if all(grad is None for grad in grads):
         state.gradient = None
         return None
-    if state.gradient is not None and _same_objects(grads, state.gradient_views):
-        return state.gradient
     E = module.embed_dim
+    gradient = state.gradient
+    # Same objects is not enough: casts re-point a .grad's data in place (grad.data = ...).
+    if gradient is not None and _same_objects(grads, state.gradient_views) and _views_at(
+        grads, gradient.data_ptr(), gradient.element_size(), gradient.dtype, E
+    ):
+        return gradient
     reference = _first_present(grads)
     gradient = torch.zeros(3 * E, dtype=reference.dtype, device=reference.device)
     with torch.no_grad():

@@ -82,6 +82,9 @@ def test_in_proj_bias_grad_is_the_parameters_gradients_and_writes_reach_them():
     assert torch.equal(packed[E : 2 * E], torch.zeros(E))  # the dropped key bias: stock's is rounding
     packed.mul_(0.5)  # clip_grad_norm_ scales in place
     assert torch.equal(slim.q_proj_bias.grad, packed[:E]) and torch.equal(slim.v_proj_bias.grad, packed[2 * E :])
+    slim.half()  # casts re-point each .grad's data in place: the packed gradient follows
+    assert slim.in_proj_bias.grad.dtype == torch.float16
+    assert slim.q_proj_bias.grad.data_ptr() == slim.in_proj_bias.grad.data_ptr()
     slim.in_proj_bias.grad = None
     assert slim.q_proj_bias.grad is None and slim.v_proj_bias.grad is None
     with pytest.raises(RuntimeError, match=r"assigned grad has data of a different size: in_proj_bias is \(48,\)"):
