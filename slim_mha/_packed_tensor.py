@@ -29,10 +29,7 @@ from ._torch_compat import is_capturing_graph
 from ._torch_compat import is_capturing_or_transforming as is_transforming
 from .bias import BIAS_NAMES
 
-__all__ = [
-    "STATE_KEY", "assign", "create", "fused_bias", "is_packed", "reown", "resync", "stock_view",
-    "take_new_parameters",
-]
+__all__ = ["STATE_KEY", "assign", "create", "fused_bias", "is_packed", "reown", "resync", "stock_view", "take_new_parameters"]
 
 STATE_KEY = _STATE = "_packed_bias_state"
 _STAND_IN = "_in_proj_bias_stand_in"  # a plain tensor assigned to in_proj_bias (see assign)
