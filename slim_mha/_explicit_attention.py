@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit
-from ._torch_compat import functorch_transforms_active, is_capturing_or_transforming
+from ._torch_compat import is_capturing_or_transforming
 
 __all__ = ["WeightsPlan", "attention_with_weights", "plan_weights_path"]
 
@@ -93,7 +93,7 @@ def _attention_functional(
     if mask is not None:
         # In place saves a (B, H, L, S) tensor and is safe under autograd (matmul's backward does not
         # read its output), but not under vmap, where the mask may be batched and the scores not.
-        scores = scores + mask if functorch_transforms_active() or torch.compiler.is_compiling() else scores.add_(mask)
+        scores = scores + mask if is_capturing_or_transforming() else scores.add_(mask)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)

@@ -239,7 +239,7 @@ def stock_view(module) -> Tensor | None:
     if _absent(parts):
         return None
     computed = _concatenate(module, module.__dict__.get(_STATE), parts)
-    if is_transforming():
+    if is_transforming() or type(computed) is not Tensor:  # FakeTensors under Dynamo's call_module
         return computed
     computed = computed.as_subclass(ComputedStockBias)
     copy_loaded_flags(computed, parts)

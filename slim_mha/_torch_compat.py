@@ -13,7 +13,6 @@ from torch import Tensor
 __all__ = [
     "MODULE_HOOK_ATTRIBUTES",
     "STOCK_MHA",
-    "functorch_transforms_active",
     "is_capturing_graph",
     "is_capturing_or_transforming",
     "is_symbolic_call",
@@ -49,17 +48,15 @@ def is_capturing_graph() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
-def functorch_transforms_active() -> bool:
-    """A ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...) wraps this call's tensors.
-
-    Private: ``torch._C._are_functorch_transforms_active``, present on every tested version.
-    """
-    return torch._C._are_functorch_transforms_active()
-
-
 def is_capturing_or_transforming() -> bool:
-    """A graph is being captured or a functorch transform runs: no state may change, no data pointers."""
-    return is_capturing_graph() or functorch_transforms_active()
+    """A graph is being captured or a ``torch.func`` transform (``vmap``, ``grad``...) wraps this
+    call's tensors: no state may change, no data pointers are real.
+
+    Private: ``torch._C._are_functorch_transforms_active``, present on every tested version. Dynamo
+    on torch 2.4 cannot trace that call ("torch.* op returned non-Tensor bool"), so the graph checks
+    come first: Dynamo folds ``is_compiling()`` to True and never reaches it.
+    """
+    return is_capturing_graph() or torch._C._are_functorch_transforms_active()
 
 
 def is_symbolic_call(query: object) -> bool:
