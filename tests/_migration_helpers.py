@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from slim_mha.migration.cli import main
 
@@ -17,6 +20,13 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
         code = exit.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def old_output(path: Path, value: float = 0.0) -> bytes:
+    """A small safetensors file at ``path``, standing for an earlier output that --force may replace;
+    returns its bytes, to prove it unchanged."""
+    save_file({"old": torch.full((2,), value)}, path)
+    return path.read_bytes()
 
 
 def refusal(error: type[BaseException], function: Callable, *args, **kwargs) -> str:

@@ -16,7 +16,7 @@ import slim_mha.migration._migrate as migrate_module
 import slim_mha.migration._writer as writer_module
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import refusal
+from _migration_helpers import old_output, refusal
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 
@@ -308,11 +308,11 @@ def test_already_converted_has_nothing_to_do(tmp_path, stock_file):
 
 def test_existing_output_needs_force(tmp_path, stock_file):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"precious")
+    precious = old_output(out)
     assert refusal(FileExistsError, fold_checkpoint, stock_file, out) == (
         f"{out}: already exists; pass force=True to replace it"  # API words
     )
-    assert out.read_bytes() == b"precious"
+    assert out.read_bytes() == precious
     fold_checkpoint(stock_file, out, force=True)
     assert "attn.q_proj_bias" in load_file(out)
 
@@ -406,7 +406,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, sharded, monkeypat
 
 def test_interrupted_forced_write_keeps_the_old_output(tmp_path, stock_file, monkeypatch):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"previous output")
+    previous = old_output(out)
 
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
@@ -414,7 +414,7 @@ def test_interrupted_forced_write_keeps_the_old_output(tmp_path, stock_file, mon
     monkeypatch.setattr(migrate_module, "write_safetensors", fail)
     with pytest.raises(KeyboardInterrupt):
         fold_checkpoint(stock_file, out, force=True)
-    assert out.read_bytes() == b"previous output"
+    assert out.read_bytes() == previous
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "stock.safetensors"]
 
 

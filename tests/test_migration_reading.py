@@ -219,7 +219,7 @@ def test_verify_fails_when_a_recorded_key_bias_would_be_dropped(tmp_path, zero_a
         return biases._replace(k_proj_bias=torch.zeros_like(biases.k_proj_bias))  # the kept b_k is lost
 
     monkeypatch.setattr(plan_module, "fold_key_bias", losing_fold)
-    with pytest.raises(RuntimeError, match="--verify failed for 'attn'"):
+    with pytest.raises(RuntimeError, match="verify=True failed for 'attn'"):
         fold_checkpoint(tmp_path / "back.safetensors", tmp_path / "again.safetensors", verify=True)
     assert not (tmp_path / "again.safetensors").exists()
 
@@ -247,7 +247,7 @@ def test_a_recorded_mark_naming_no_module_is_refused(tmp_path):
     assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: its metadata marks 'decoder.attn' as an add_zero_attn module (slim_mha.zero_attn_modules), but "
         "no attention module has that name: the tensors were renamed after slim_mha wrote them; convert the "
-        "original checkpoint, with --zero-attn"
+        "original checkpoint, with zero_attn"
     )
     assert not (tmp_path / "out.safetensors").exists()
 
