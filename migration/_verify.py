@@ -42,7 +42,7 @@ _COMPUTE = torch.float64
 # Stock, even while slim_mha.patched() has replaced the name torch.nn.MultiheadAttention.
 _STOCK_ATTENTION = SlimMultiheadAttention.__base__
 _BATCH, _TARGET_LENGTH, _SOURCE_LENGTH = 2, 3, 5
-_COMPARE = 16 * 1024 * 1024  # bytes compared at a time: memory stays flat whatever the tensor's size
+_COMPARE = 1024 * 1024  # bytes compared at a time: memory stays flat whatever the tensor's size
 
 
 def module_output_error(
@@ -185,9 +185,19 @@ def _first_difference(written, written_start: int, source, source_start: int, le
         step = min(_COMPARE, length - done)
         mine = written[written_start + done : written_start + done + step]
         theirs = bytes(source[source_start + done : source_start + done + step])
+        # Compared pages leave the process's mapping (they stay in the page cache), so a large file
+        # does not count against its memory.
+        _release(written, written_start + done, step)
+        _release(source, source_start + done, step)
         if mine != theirs:
             return done + next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
     return None
+
+
+def _release(buffer, start: int, length: int) -> None:
+    if isinstance(buffer, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        aligned = start - start % mmap.PAGESIZE
+        buffer.madvise(mmap.MADV_DONTNEED, aligned, min(length + start - aligned, len(buffer) - aligned))
 
 
 def check_written_text(path: Path, text: str, *, shown_as: Path) -> None:

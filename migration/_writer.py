@@ -168,7 +168,8 @@ def _runs(ordered: list[OutputTensor], offsets: list[int]) -> list[_Run]:
         record = tensor.record
         in_memory = tensor.tensor if tensor.tensor is not None else (record.tensor if record else None)
         if in_memory is not None:
-            runs.append(_Run(offset, tensor.nbytes, data=memoryview(in_memory.reshape(-1).view(torch.uint8).numpy())))
+            flat = in_memory.contiguous().reshape(-1)  # an expanded view (stride 0) is written out in full
+            runs.append(_Run(offset, tensor.nbytes, data=memoryview(flat.view(torch.uint8).numpy())))
             continue
         last = runs[-1] if runs else None
         if last and last.path == record.shard.path and last.source_offset + last.length == record.offset:
