@@ -28,6 +28,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
+from _migration_helpers import reads_pickles
 
 # Every configuration stock accepts; ids name them.
 CONFIGS = {
@@ -367,6 +368,7 @@ def test_directory_with_a_single_model_file(tmp_path):
 
 @pytest.mark.parametrize("wrapper", [None, "state_dict", "model"])
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin"])
+@reads_pickles
 def test_torch_state_dicts_and_their_wrappers(tmp_path, wrapper, suffix):
     stock = stock_attention(add_bias_kv=True)
     state = prefixed(stock, "attn.")
@@ -380,6 +382,7 @@ def test_torch_state_dicts_and_their_wrappers(tmp_path, wrapper, suffix):
         assert handle.metadata()["format"] == "pt"
 
 
+@reads_pickles
 def test_torch_tensors_sharing_storage_are_written_separately(tmp_path):
     state = prefixed(stock_attention(), "attn.")
     state["tied.weight"] = state["attn.out_proj.weight"]  # tied weights share storage in memory
@@ -484,6 +487,7 @@ def test_a_bare_module_checkpoint_has_the_root_prefix(tmp_path):
     torch.testing.assert_close(outputs(slim_from(state, **config), config), outputs(stock, config))
 
 
+@reads_pickles
 def test_legacy_torch_serialization_is_read_too(tmp_path):
     stock = stock_attention()
     torch.save(prefixed(stock, "attn."), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)

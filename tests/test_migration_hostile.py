@@ -18,7 +18,7 @@ import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import refusal, run_cli
+from _migration_helpers import reads_pickles, refusal, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "slim-mha-migrate"
@@ -290,6 +290,7 @@ def test_dot_as_an_empty_dst(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------ bombs
 
 
+@reads_pickles
 def test_an_expanded_tensor_is_refused_before_anything_is_written(tmp_path):
     source = tmp_path / "bomb.pt"
     torch.save({**prefixed(stock_attention(), "attn."), "filler": torch.zeros(1).expand(2**28)}, source)
@@ -301,6 +302,7 @@ def test_an_expanded_tensor_is_refused_before_anything_is_written(tmp_path):
     assert os.listdir(tmp_path) == ["bomb.pt"]
 
 
+@reads_pickles
 def test_views_repeating_one_storage_are_refused(tmp_path):
     source = tmp_path / "views.pt"
     block = torch.zeros(2**20)  # 4 MiB, stored once
@@ -310,6 +312,7 @@ def test_views_repeating_one_storage_are_refused(tmp_path):
     assert message.endswith("(views that repeat the same data); pass allow_expand=True if that is intended")
 
 
+@reads_pickles
 def test_allow_expand_writes_an_expanded_tensor(tmp_path):
     source = tmp_path / "expanded.pt"
     torch.save({**prefixed(stock_attention(), "attn."), "filler": torch.ones(1).expand(2**23)}, source)  # 32 MiB
@@ -319,12 +322,14 @@ def test_allow_expand_writes_an_expanded_tensor(tmp_path):
     assert torch.equal(load_file(tmp_path / "out.safetensors")["filler"], torch.ones(2**23))
 
 
+@reads_pickles
 def test_inspect_of_an_expanded_tensor_does_not_materialise_it(tmp_path):
     source = tmp_path / "bomb.pt"
     torch.save({**prefixed(stock_attention(), "attn."), "filler": torch.zeros(1).expand(2**28)}, source)
     assert len(inspect_checkpoint(source).modules) == 1  # 1 GiB if it were made contiguous: it is not
 
 
+@reads_pickles
 def test_a_compressed_torch_zip_is_refused_unopened(tmp_path, monkeypatch):
     plain, source = tmp_path / "plain.pt", tmp_path / "packed.pt"
     torch.save(prefixed(stock_attention(), "attn."), plain)
@@ -437,6 +442,7 @@ def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------ messages
 
 
+@reads_pickles
 def test_meta_tensors_are_named(tmp_path):
     source = tmp_path / "meta.pt"
     torch.save({**prefixed(stock_attention(), "attn."), "head.weight": torch.empty(2, 2, device="meta")}, source)
@@ -457,6 +463,7 @@ def test_a_deeply_nested_index_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("key, shown", [("__metadata__", "'__metadata__'"), ("bad\ud800key", "'bad\\ud800key'")])
+@reads_pickles
 def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path, key, shown):
     source = tmp_path / "keys.pt"
     torch.save({**prefixed(stock_attention(), "attn."), key: torch.zeros(2)}, source)
