@@ -45,10 +45,13 @@ WEIGHT_SUFFIXES = (
 
 @dataclass(frozen=True)
 class Companion:
-    """A file copied unchanged into the output folder: its name there, and the path it is read from."""
+    """A file copied unchanged into the output folder: its name there, the path it is read from, and
+    what one stat of it found (a model folder may hold thousands: each is looked at once)."""
 
     name: str
     path: Path
+    size: int = 0
+    mode: int = 0o644  # its permission bits, which the copy gets
 
 
 def check_destination(source: Path, kind: str, destination: Path, *, force: bool) -> None:
@@ -148,7 +151,7 @@ def leaves_source(path: Path, root: Path) -> Path | None:
 
     A Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``) holds links to ``<repo>/blobs/``:
     those stay inside, as they are the snapshot's own files."""
-    real = Path(os.path.realpath(path))
+    real = _resolved(path, {})
     if root in real.parents:
         return None
     if root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs":
@@ -206,28 +209,30 @@ def find_companions(
     root = source_root(checkpoint)
     read = {path.name for path in input_files(checkpoint, []) if path.parent == folder}
     companions, skipped = [], []
-    for name in sorted(os.listdir(folder)):
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        name = entry.name
         if name in read:
             continue
         path = folder / name
         try:
-            mode = os.stat(path).st_mode  # follows symlinks: a Hugging Face cache folder is all symlinks
+            info = entry.stat()  # follows symlinks: a Hugging Face cache folder is all symlinks
         except OSError:
             skipped.append(f"did not copy {shown(name)}: a broken symbolic link")
             continue
+        mode = info.st_mode
         if stat.S_ISDIR(mode):
             skipped.append(f"did not copy {shown(name)}/: a subdirectory (only the folder's own files are copied)")
         elif not stat.S_ISREG(mode):
             skipped.append(f"did not copy {shown(name)}: not a regular file")
         elif name.endswith(WEIGHT_SUFFIXES):
             skipped.append(f"did not copy {shown(name)}: a weight file this run does not convert")
-        elif not follow_outside_links and (outside := leaves_source(path, root)) is not None:
+        elif entry.is_symlink() and not follow_outside_links and (outside := leaves_source(path, root)) is not None:
             skipped.append(
                 f"did not copy {shown(name)}: a symbolic link that leads outside SRC, to {shown(outside)} "
                 f"({option('follow_outside_links')} copies it)"
             )
         else:
-            companions.append(Companion(name, path))
+            companions.append(Companion(name, path, info.st_size, mode & _PERMISSIONS))
     return companions, skipped
 
 
@@ -242,11 +247,24 @@ def input_files(checkpoint: Checkpoint, companions: list[Companion]) -> list[Pat
 # ------------------------------------------------------------------------------------ the rules
 
 
+def _resolved(path: Path, parents: dict[str, str]) -> Path:
+    """``realpath(path)``, resolving each folder once (``parents`` caches them): only a symbolic link
+    itself needs the full walk, and a model folder's thousands of plain files share one folder."""
+    absolute = os.path.abspath(path)
+    if os.path.islink(absolute):
+        return Path(os.path.realpath(absolute))
+    folder, name = os.path.split(absolute)
+    if folder not in parents:
+        parents[folder] = os.path.realpath(folder)
+    return Path(os.path.join(parents[folder], name))
+
+
 def _check_not_an_input(destination: Path, reads: list[Path]) -> None:
     target = Path(os.path.realpath(destination))
     identities = {}
+    parents: dict[str, str] = {}
     for path in reads:
-        real = Path(os.path.realpath(path))
+        real = _resolved(path, parents)
         if real == target or target in real.parents:
             _refuse_input(destination, path, real)
         try:

@@ -170,7 +170,7 @@ def migrate(
     placeholder = {companion.name: "0" * 64 for companion in copied}
     planned = _planned_sizes(checkpoint, outputs, metadata, placeholder)
     output_bytes = sum(planned.values())
-    _check_free_space(destination, output_bytes + sum(os.stat(companion.path).st_size for companion in copied))
+    _check_free_space(destination, output_bytes + sum(companion.size for companion in copied))
     written = {}
     if not dry_run:
         written, write_notes = _write_output(
@@ -466,7 +466,7 @@ def _write_output(
     size on disk (shards and index), and notes for the report."""
     shards = {shard.name: shard for shard in checkpoint.shards}
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
-    total += sum(os.stat(companion.path).st_size for companion in companions)
+    total += sum(companion.size for companion in companions)
     if progress is None:
         progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
@@ -487,7 +487,7 @@ def _write_output(
             for companion in companions:
                 bar.set_postfix_str(companion.name, refresh=False)
                 target = staging.path / companion.name
-                digests[companion.name] = copy_file(companion.path, target, bar.update, mode=permissions(companion.path))
+                digests[companion.name] = copy_file(companion.path, target, bar.update, mode=companion.mode)
                 if verify and file_digest(target) != digests[companion.name]:
                     raise RuntimeError(
                         f"{shown(destination / companion.name)}: {option('verify')} read the copied file back and it "
