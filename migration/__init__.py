@@ -26,9 +26,18 @@ files...; not subfolders, not other weight files) are copied unchanged unless ``
 Why each conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the
 arithmetic.
 
+Nothing from outside SRC reaches DST: a companion file (or a shard) whose symbolic link leaves SRC's
+folder is left out with a note (a shard refuses the run), except a Hugging Face cache snapshot's links
+into the same repository's ``blobs/``. Output files and folders get their source's permission bits, as
+``cp -p`` does, whatever the umask. The output size is computed before writing and checked against the
+free space; a torch file that expands far beyond its stored bytes, or a compressed torch zip, is
+refused first. On torch < 2.6, whose ``weights_only`` loader can be bypassed, pickle-based inputs are
+refused.
+
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
-and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message
-names the file and the key. Nothing is ever written to SRC, and DST appears complete or not at all:
+and ``FileExistsError`` for paths, ``OSError`` when DST's file system lacks the space, ``RuntimeError``
+when ``verify`` finds a mismatch. Every message names the file and the key. Nothing is ever written to
+SRC, no DST is inside SRC or around it, and DST appears complete or not at all:
 the output is staged beside DST, fsynced, and moved into place in one step; a KeyboardInterrupt
 removes the staging path, and litter from a killed run is removed by the next run (see the README).
 """

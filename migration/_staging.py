@@ -193,6 +193,9 @@ def _held(path: Path) -> Iterator[bool]:
 
 def _delete(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
+        # The staging folder may already carry DST's bits, which a read-only source makes read-only;
+        # it is ours (locked), so its owner may empty it.
+        os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) | stat.S_IRWXU)
         shutil.rmtree(path)
     else:
         path.unlink()

@@ -129,8 +129,9 @@ def _format_migration(report: MigrationReport) -> list[str]:
         lines.append(f"verified {_plural(len(report.changed), 'module')}: largest relative output error {worst:.2g}")
         if report.files_read_back:
             lines.append(
-                f"verified {_plural(report.files_read_back, 'written file')} by reading them back: every tensor "
-                "matches the source or its conversion"
+                f"verified {_plural(report.files_read_back, 'written file')} by reading "
+                f"{'it' if report.files_read_back == 1 else 'them'} back: every tensor matches the source or its "
+                "conversion"
             )
         if report.assumed_no_zero_attn:
             count = len(report.assumed_no_zero_attn)
