@@ -250,12 +250,12 @@ def input_files(checkpoint: Checkpoint, companions: list[Companion]) -> list[Pat
 def _resolved(path: Path, parents: dict[str, str]) -> Path:
     """``realpath(path)``, resolving each folder once (``parents`` caches them): only a symbolic link
     itself needs the full walk, and a model folder's thousands of plain files share one folder."""
-    absolute = os.path.abspath(path)
-    if os.path.islink(absolute):
-        return Path(os.path.realpath(absolute))
-    folder, name = os.path.split(absolute)
-    if folder not in parents:
-        parents[folder] = os.path.realpath(folder)
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    if name in ("", ".", "..") or os.path.islink(path):
+        return Path(os.path.realpath(path))
+    if folder not in parents:  # resolved as spelled: realpath, not abspath, gets "link/.." right
+        parents[folder] = os.path.realpath(folder or ".")
     return Path(os.path.join(parents[folder], name))
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, to_stock_checkpoint
+from slim_mha.migration._destination import _resolved
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import reads_pickles, refusal, run_cli
 
@@ -507,3 +508,13 @@ def test_no_import_cycles_in_migration():
     for name in graph:
         visit(name, [name])
     assert graph["_migrate"] and graph["__init__"] == {"_migrate", "report"}  # the check sees lazy imports
+
+
+def test_paths_resolve_as_realpath_does(tmp_path):
+    """The shortcut that resolves a folder once per run agrees with realpath on every spelling."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "c").mkdir()
+    os.symlink(tmp_path / "a" / "b", tmp_path / "c" / "link")
+    for path in (tmp_path / "c" / "link" / ".." / "x", tmp_path / "c" / "link", tmp_path / "a" / "file",
+                 tmp_path / "c" / ".", Path("relative")):
+        assert _resolved(path, {}) == Path(os.path.realpath(path)), path
