@@ -26,9 +26,18 @@ files...; not subfolders, not other weight files) are copied unchanged unless ``
 Why each conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the
 arithmetic.
 
+Nothing from outside SRC reaches DST: a companion file (or a shard) whose symbolic link leaves SRC's
+folder is left out with a note (a shard refuses the run), except a Hugging Face cache snapshot's links
+into the same repository's ``blobs/``. Output files and folders get their source's permission bits, as
+``cp -p`` does, whatever the umask. The output size is computed before writing and checked against the
+free space; a torch file that expands far beyond its stored bytes, or a compressed torch zip, is
+refused first. On torch < 2.6, whose ``weights_only`` loader can be bypassed, pickle-based inputs are
+refused.
+
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
-and ``FileExistsError`` for paths, ``RuntimeError`` when ``verify`` finds a mismatch. Every message
-names the file and the key. Nothing is ever written to SRC, and DST appears complete or not at all:
+and ``FileExistsError`` for paths, ``OSError`` when DST's file system lacks the space, ``RuntimeError``
+when ``verify`` finds a mismatch. Every message names the file and the key. Nothing is ever written to
+SRC, no DST is inside SRC or around it, and DST appears complete or not at all:
 the output is staged beside DST, fsynced, and moved into place in one step; a KeyboardInterrupt
 removes the staging path, and litter from a killed run is removed by the next run (see the README).
 """
@@ -76,6 +85,8 @@ def strip_checkpoint(
     force: bool = False,
     companions: bool = True,
     progress: bool | None = None,
+    follow_outside_links: bool = False,
+    allow_expand: bool = False,
 ) -> MigrationReport:
     """Drop the key slice of every ``in_proj_bias``; refuse where that is not exact.
 
@@ -90,23 +101,38 @@ def strip_checkpoint(
         fold_value_bias: also fold ``b_v`` into ``out_proj.bias``: exact for inference (eval) only,
             because dropout on the attention weights breaks the rows summing to one.
         verify: rebuild every changed module from the original and migrated tensors and compare their
-            outputs on random inputs; a mismatch raises ``RuntimeError`` and nothing is written.
+            outputs on random inputs, then read every written file back (memory-mapped) and compare every
+            tensor, changed or not, with the source or its conversion, before the output is moved into
+            place; a mismatch raises ``RuntimeError`` and nothing is written. The module comparison
+            assumes no unmarked stock module was built with ``add_zero_attn`` (which a stock checkpoint
+            cannot record), and the report names the modules it assumed that for.
         dry_run: do everything but write.
-        force: replace an existing destination: a file only if it is a regular file; a folder only if
-            every entry is a regular file that a checkpoint output names (its shards and index, the
-            shards its own index lists, and the companion files this run copies). Never a destination
-            that is, or holds, a file the run reads (symlinks resolved).
+        force: replace an existing destination: a file only if it is a regular safetensors file; a folder
+            only if every entry is a file this run would write and that is ours: a shard or index (named
+            by this run or by the folder's own index) that reads as one, or a companion file that the
+            previous output recorded and that is unchanged, or identical to the one copied now. Anything
+            else is named in the refusal. Never a destination that is, or holds, a file the run reads
+            (symlinks resolved), nor one inside SRC or around it. The replaced DST keeps its permission
+            bits, less any the source lacks.
         companions: for a checkpoint folder, copy its other files (``config.json``, tokenizer files,
             README...; not weight files, not subfolders) unchanged into the output folder, and list
-            them in the report. ``False`` leaves them out.
+            them in the report. ``False`` leaves them out. A file whose symbolic link leads outside
+            SRC's folder is left out, with a note (a Hugging Face cache snapshot's links into its own
+            ``blobs/`` are inside).
         progress: show a tqdm bar on stderr: ``None`` decides (a TTY and several shards or a large
             file), ``True`` always, ``False`` never.
+        follow_outside_links: copy companions, and read shards, that symbolic links take outside SRC.
+        allow_expand: write a torch file whose tensors expand far beyond its stored bytes (a view that
+            repeats a small tensor, written out in full); refused by default, before anything is written.
+
+    Output files and folders get their source's permission bits, as ``cp -p`` does, whatever the umask.
     """
     from ._migrate import migrate
 
     return migrate(
         "strip", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
         verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
+        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
     )
 
 
@@ -121,6 +147,8 @@ def fold_checkpoint(
     force: bool = False,
     companions: bool = True,
     progress: bool | None = None,
+    follow_outside_links: bool = False,
+    allow_expand: bool = False,
 ) -> MigrationReport:
     """Convert every stock module to the slim layout, exactly, wherever its key bias sits.
 
@@ -132,6 +160,7 @@ def fold_checkpoint(
     return migrate(
         "fold", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
         verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
+        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
     )
 
 
@@ -145,6 +174,8 @@ def to_stock_checkpoint(
     force: bool = False,
     companions: bool = True,
     progress: bool | None = None,
+    follow_outside_links: bool = False,
+    allow_expand: bool = False,
 ) -> MigrationReport:
     """Convert slim modules back to the stock layout: stock ``nn.MultiheadAttention`` then loads the
     checkpoint with ``strict=True`` and computes the same outputs.
@@ -157,6 +188,7 @@ def to_stock_checkpoint(
     return migrate(
         "to-stock", source, destination, zero_attn=zero_attn, verify=verify, dry_run=dry_run,
         force=force, companions=companions, progress=progress,
+        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
     )
 
 

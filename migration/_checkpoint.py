@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import pickle
 import stat
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
@@ -33,6 +35,9 @@ _WRAPPERS = ("state_dict", "model")
 # How a torch.save file starts: a zip archive (the default since torch 1.6; an empty one has only its end
 # record), or the legacy format, a pickle of protocol 2 or later. Anything else is not a torch checkpoint.
 _TORCH_MAGIC = (b"PK\x03\x04", b"PK\x05\x06", b"\x80")
+# torch.load(weights_only=True) has a published bypass before this release: an older torch must not
+# unpickle a file from a stranger at all.
+SAFE_PICKLE_TORCH = (2, 6)
 
 # safetensors dtype names, and the bytes per element (tensors are laid out largest first so that
 # each one starts aligned to its own element size, as safetensors itself writes them).
@@ -69,12 +74,13 @@ class TensorRecord:
     nbytes: int
     shard: Shard
     offset: int | None = None  # absolute byte offset of the data in shard.path (safetensors sources)
-    tensor: Tensor | None = None  # the tensor itself (torch pickles)
+    tensor: Tensor | None = None  # the tensor itself (torch pickles), possibly not contiguous
+    stored: int | None = None  # bytes of the storage it views (torch pickles): less than nbytes when expanded
 
     def read(self) -> Tensor:
         """The tensor: read from its byte range for safetensors sources (the header is not parsed again)."""
         if self.tensor is not None:
-            return self.tensor
+            return self.tensor.contiguous()
         data = bytearray(self.nbytes)
         try:
             with open(self.shard.path, "rb", buffering=0) as file:
@@ -301,6 +307,11 @@ def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
         ) from None
     except UnicodeDecodeError:
         raise ValueError(f"{shown(index_path)}: not a valid index (not UTF-8 text); expected a JSON file") from None
+    except RecursionError:
+        raise ValueError(
+            f"{shown(index_path)}: not a valid index (its JSON is nested too deeply to read); expected a "
+            "'weight_map' of tensor name -> shard file"
+        ) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
@@ -387,6 +398,7 @@ def _open_torch(path: Path, name: str) -> tuple[Shard, tuple[str, ...]]:
             raise ValueError(
                 f"{shown(path)}: state-dict key {shown(repr(key))} is not a string; safetensors keys are strings"
             )
+        _check_key(path, key)
         if not isinstance(value, Tensor):
             raise ValueError(
                 f"{shown(path)}: '{shown(key)}' holds a {type(value).__name__}, not a tensor; safetensors stores "
@@ -397,26 +409,62 @@ def _open_torch(path: Path, name: str) -> tuple[Shard, tuple[str, ...]]:
                 f"{shown(path)}: '{shown(key)}' is a {value.layout} {value.dtype} tensor, which safetensors cannot "
                 "store; convert it to a dense tensor of a plain dtype first"
             )
-        tensor = value.detach().contiguous()
+        if value.device.type == "meta":
+            raise ValueError(
+                f"{shown(path)}: '{shown(key)}' is a meta tensor, which holds no data; save the state dict of a "
+                "model whose weights are loaded, not one built on the meta device"
+            )
+        # Not made contiguous here: an expanded tensor (stride 0) would be materialised before the run
+        # can refuse it; its size and its storage's are recorded, and the migration decides.
+        tensor = value.detach()
         shard.records[key] = TensorRecord(
             key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), tensor.numel() * tensor.element_size(), shard,
-            tensor=tensor,
+            tensor=tensor, stored=tensor.untyped_storage().nbytes(),
         )
     return shard, notes
+
+
+def _check_key(path: Path, key: str) -> None:
+    """Refuse, before anything is written, a key that the safetensors header cannot hold."""
+    if key == "__metadata__":
+        raise ValueError(
+            f"{shown(path)}: a tensor is named '__metadata__', the name safetensors reserves for its metadata; "
+            "rename that key in the state dict"
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{shown(path)}: the key {shown(ascii(key))} is not valid Unicode text (it holds a lone surrogate), "
+            "which a safetensors header cannot store; rename that key in the state dict"
+        ) from None
+
+
+def torch_reads_pickles_safely() -> bool:
+    """Whether this torch's ``weights_only`` unpickler is one that a crafted file cannot bypass."""
+    return Version(torch.__version__).release[:2] >= SAFE_PICKLE_TORCH
 
 
 def _torch_load(path: Path) -> object:
     """``torch.load(weights_only=True)``: a pickle that needs anything but tensors is refused unread.
 
     Bytes that do not start like a torch.save file are refused before unpickling, so that a corrupt or
-    foreign file is called what it is, not a pickle that needs more than tensors.
+    foreign file is called what it is, not a pickle that needs more than tensors. A zip archive whose
+    entries are compressed is refused before torch opens it: torch.save never compresses, and a
+    compressed entry can expand far beyond the file's size.
     """
+    if not torch_reads_pickles_safely():
+        raise ValueError(
+            f"{shown(path)}: needs torch ≥ 2.6 to read .pt safely; convert with safetensors or upgrade"
+        )
     corrupt = f"{shown(path)}: not a readable PyTorch checkpoint ({{}}); it is truncated, corrupt or another format"
     with open(path, "rb") as file:
         start = file.read(4)
     if not start.startswith(_TORCH_MAGIC):
         what = "it is empty" if not start else "it starts with neither a zip header nor a pickle header"
         raise ValueError(corrupt.format(what))
+    if start.startswith(b"PK"):
+        _check_stored_zip(path, corrupt)
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -439,6 +487,21 @@ def _torch_load(path: Path) -> object:
         raise ValueError(corrupt.format(shown(detail or reason))) from None
     except Exception as exc:  # torch raises many types for corrupt files
         raise ValueError(corrupt.format(f"{type(exc).__name__}: {shown(_one_line(exc))}")) from None
+
+
+def _check_stored_zip(path: Path, corrupt: str) -> None:
+    """Read the zip's central directory only (no entry is inflated) and refuse compressed entries."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise ValueError(corrupt.format(f"a damaged zip archive: {shown(_one_line(exc))}")) from None
+    packed = next((entry for entry in entries if entry.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:
+        raise ValueError(
+            f"{shown(path)}: a compressed zip archive ('{shown(packed.filename)}' is compressed); torch.save "
+            "never compresses, and a compressed entry can expand without bound: re-save it with torch.save"
+        )
 
 
 def _unwrap_state_dict(path: Path, loaded: object) -> tuple[Mapping, tuple[str, ...]]:

@@ -1,25 +1,39 @@
 """Where the output may go: the rules that keep a run from deleting or overwriting what is not ours.
 
-* DST never is, holds or replaces a file that the run reads. Every input file (shards, index,
-  companion files) is resolved through its symlinks and compared by path and by inode.
-* An existing DST is replaced only with ``force``: a file only if it is a regular file; a folder only
-  if every entry is a regular file that a checkpoint output names: the shards and the index this run
-  writes or that the folder's own index lists, plus the companion files this run copies. A
-  subdirectory, a symlink or any other file refuses the run, and nothing is touched.
+* DST never is, holds or replaces a file that the run reads, and is neither inside SRC nor around
+  it. Every path is resolved through its symlinks (``realpath``) and compared by path and by inode.
+* Nothing from outside SRC reaches DST: a shard or a companion file whose resolved path leaves SRC's
+  folder is refused (a shard) or left out with a note (a companion), unless ``follow_outside_links``.
+  The one exception is a Hugging Face cache snapshot, ``snapshots/<rev>/*``, whose files link to the
+  same repository's ``blobs/``.
+* An existing DST is replaced only with ``force``: a file only if it is a regular file that reads as a
+  safetensors file; a folder only if every entry is a regular file that this run would write and that
+  is ours: a shard or the index (named by this run or by the folder's own index) that reads as one,
+  or a companion file that the previous output recorded (``slim_mha.companions``, a SHA-256 per
+  name) and that is unchanged since, or that is byte for byte the file this run copies. Anything else
+  refuses the run, named, and nothing is touched.
+* Permissions are those of ``cp -p``: each output file gets its source file's permission bits, and a
+  new output folder its source folder's; a replaced DST keeps its own bits, less any the source lacks.
 * Companion files: the non-weight files beside a checkpoint folder's shards (``config.json``,
   tokenizer files, README...) are copied byte for byte into the output folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ._text import option, shown
+
+COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
+_PERMISSIONS = 0o777  # cp -p keeps these; set-id and sticky bits never come along
 
 # Files that hold weights (or pickles) in the formats a model folder ships: never copied as companions,
 # since the output holds the converted weights and a stale copy of the originals could be loaded instead.
@@ -31,10 +45,13 @@ WEIGHT_SUFFIXES = (
 
 @dataclass(frozen=True)
 class Companion:
-    """A file copied unchanged into the output folder: its name there, and the path it is read from."""
+    """A file copied unchanged into the output folder: its name there, the path it is read from, and
+    what one stat of it found (a model folder may hold thousands: each is looked at once)."""
 
     name: str
     path: Path
+    size: int = 0
+    mode: int = 0o644  # its permission bits, which the copy gets
 
 
 def check_destination(source: Path, kind: str, destination: Path, *, force: bool) -> None:
@@ -51,12 +68,16 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
         )
     if not destination.parent.resolve().is_dir():
         raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
-    source_root = source.resolve()
+    source_root = Path(os.path.realpath(source))
     if writes_directory and not source.is_dir():
         source_root = source_root.parent  # an index file: its shards sit beside it
-    target = destination.resolve()
+    target = Path(os.path.realpath(destination))
     if target == source_root or (writes_directory and target in source_root.parents):
         raise ValueError(f"{shown(destination)}: DST would overwrite the input {shown(source)}; write to another path")
+    if writes_directory and source_root in target.parents:
+        raise ValueError(
+            f"{shown(destination)}: DST is inside SRC {shown(source)}, which is never modified; write outside it"
+        )
     if not os.path.lexists(destination):
         return
     if writes_directory:
@@ -84,49 +105,134 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
         _check_replaceable_file(destination)
 
 
-def check_replaceable(destination: Path, *, directory: bool, writes: set[str], reads: list[Path]) -> None:
+def check_replaceable(
+    destination: Path, *, directory: bool, writes: set[str], reads: list[Path], companions: list[Companion] = ()
+) -> None:
     """Refuse unless replacing ``destination`` (when it exists) loses nothing: it is not and does not
-    hold any file in ``reads``, and a folder holds only regular files named in ``writes`` or in its own
-    index. Run once the output is planned, and again just before the output is moved into place."""
+    hold any file in ``reads``, and a folder holds only files this run writes that are ours (see the
+    module's docstring). Run once the output is planned, and again just before the output is moved
+    into place."""
     _check_not_an_input(destination, reads)
     if not os.path.lexists(destination):
         return
     if not directory:
         _check_replaceable_file(destination)
+        _check_reads_as_safetensors(destination, destination)
         return
     entries = sorted(os.listdir(destination))
     for name in entries:  # kinds first: the folder's index is read only once it is known to be a file
         _check_entry_kind(destination, name)
-    named = writes | _previous_output_names(destination, entries)
+    index = _previous_index(destination, entries)
+    shards = {SINGLE_NAME} | _listed_shards(index)
+    copied = {companion.name: companion.path for companion in companions}
+    recorded = _recorded_companions(destination, entries, index)
     for name in entries:
-        if name not in named:
+        if name not in writes and name not in shards:
             _refuse_entry(destination, name, "which this output does not write")
+        path = destination / name
+        if name.endswith(".index.json"):
+            if _read_index(path) is None:
+                _refuse_entry(destination, name, "which does not read as a checkpoint index")
+        elif name in copied:
+            if not (recorded.get(name) == _digest(path) or _same_bytes(path, copied[name])):
+                _refuse_entry(destination, name, "which no earlier run wrote, or which was changed since")
+        else:
+            _check_reads_as_safetensors(path, destination, name)
 
 
-def find_companions(checkpoint: Checkpoint) -> tuple[list[Companion], list[str]]:
-    """The files to copy beside the output's shards, and a note for each file of the folder left out."""
+def source_root(checkpoint: Checkpoint) -> Path:
+    """SRC's folder, resolved: every file the run reads or copies must resolve inside it."""
+    folder = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
+    return Path(os.path.realpath(folder))
+
+
+def leaves_source(path: Path, root: Path) -> Path | None:
+    """Where ``path`` really is, when that is outside ``root`` (SRC's resolved folder); else None.
+
+    A Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``) holds links to ``<repo>/blobs/``:
+    those stay inside, as they are the snapshot's own files."""
+    real = _resolved(path, {})
+    if root in real.parents:
+        return None
+    if root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs":
+        return None
+    return real
+
+
+def check_shards_inside(checkpoint: Checkpoint, *, follow_outside_links: bool) -> None:
+    """Refuse a shard (or index) that a symbolic link takes outside SRC's folder: its bytes would
+    end up in DST. A file SRC is the file the user named, and is not checked."""
+    if follow_outside_links or not checkpoint.writes_directory:
+        return
+    root = source_root(checkpoint)
+    paths = [shard.path for shard in checkpoint.shards]
+    if checkpoint.index_path is not None and checkpoint.source.is_dir():
+        paths.append(checkpoint.index_path)
+    for path in paths:
+        real = leaves_source(path, root)
+        if real is not None:
+            raise ValueError(
+                f"{shown(path)}: a symbolic link that leads outside SRC, to {shown(real)}; its data would be "
+                f"copied into DST: copy the file into SRC, or pass {option('follow_outside_links')} if you "
+                "trust where it leads"
+            )
+
+
+def permissions(path: Path) -> int:
+    """``path``'s permission bits (its target's, for a symlink), as ``cp -p`` keeps them."""
+    return os.stat(path).st_mode & _PERMISSIONS
+
+
+def output_permissions(source: Path, destination: Path, *, force: bool) -> int:
+    """The bits DST gets: the source's; for a DST that is replaced, its own, less any the source lacks."""
+    wanted = permissions(source)
+    if force and os.path.lexists(destination) and not os.path.islink(destination):
+        wanted &= os.lstat(destination).st_mode & _PERMISSIONS
+    return wanted
+
+
+def companion_record(digests: dict[str, str]) -> str:
+    """The metadata value that lets a later ``force`` run know these files as its own."""
+    return json.dumps(dict(sorted(digests.items())), separators=(",", ":"))
+
+
+def find_companions(
+    checkpoint: Checkpoint, *, follow_outside_links: bool = False
+) -> tuple[list[Companion], list[str]]:
+    """The files to copy beside the output's shards, and a note for each file of the folder left out.
+
+    A file whose resolved path leaves SRC's folder is left out (a README.md linked to a private key
+    would otherwise be copied into an output that is shared), unless ``follow_outside_links``."""
     if not checkpoint.writes_directory:
         return [], []
     folder = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
+    root = source_root(checkpoint)
     read = {path.name for path in input_files(checkpoint, []) if path.parent == folder}
     companions, skipped = [], []
-    for name in sorted(os.listdir(folder)):
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        name = entry.name
         if name in read:
             continue
         path = folder / name
         try:
-            mode = os.stat(path).st_mode  # follows symlinks: a Hugging Face cache folder is all symlinks
+            info = entry.stat()  # follows symlinks: a Hugging Face cache folder is all symlinks
         except OSError:
             skipped.append(f"did not copy {shown(name)}: a broken symbolic link")
             continue
+        mode = info.st_mode
         if stat.S_ISDIR(mode):
             skipped.append(f"did not copy {shown(name)}/: a subdirectory (only the folder's own files are copied)")
         elif not stat.S_ISREG(mode):
             skipped.append(f"did not copy {shown(name)}: not a regular file")
         elif name.endswith(WEIGHT_SUFFIXES):
             skipped.append(f"did not copy {shown(name)}: a weight file this run does not convert")
+        elif entry.is_symlink() and not follow_outside_links and (outside := leaves_source(path, root)) is not None:
+            skipped.append(
+                f"did not copy {shown(name)}: a symbolic link that leads outside SRC, to {shown(outside)} "
+                f"({option('follow_outside_links')} copies it)"
+            )
         else:
-            companions.append(Companion(name, path))
+            companions.append(Companion(name, path, info.st_size, mode & _PERMISSIONS))
     return companions, skipped
 
 
@@ -141,11 +247,24 @@ def input_files(checkpoint: Checkpoint, companions: list[Companion]) -> list[Pat
 # ------------------------------------------------------------------------------------ the rules
 
 
+def _resolved(path: Path, parents: dict[str, str]) -> Path:
+    """``realpath(path)``, resolving each folder once (``parents`` caches them): only a symbolic link
+    itself needs the full walk, and a model folder's thousands of plain files share one folder."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    if name in ("", ".", "..") or os.path.islink(path):
+        return Path(os.path.realpath(path))
+    if folder not in parents:  # resolved as spelled: realpath, not abspath, gets "link/.." right
+        parents[folder] = os.path.realpath(folder or ".")
+    return Path(os.path.join(parents[folder], name))
+
+
 def _check_not_an_input(destination: Path, reads: list[Path]) -> None:
     target = Path(os.path.realpath(destination))
     identities = {}
+    parents: dict[str, str] = {}
     for path in reads:
-        real = Path(os.path.realpath(path))
+        real = _resolved(path, parents)
         if real == target or target in real.parents:
             _refuse_input(destination, path, real)
         try:
@@ -206,21 +325,95 @@ def _refuse_entry(destination: Path, name: str, why: str) -> None:
     )
 
 
-def _previous_output_names(destination: Path, entries: list[str]) -> set[str]:
-    """The shard names that the folder's own index lists: a previous output sharded differently."""
-    names = {SINGLE_NAME, INDEX_NAME} & set(entries)
-    if INDEX_NAME not in names:
-        return names
+def _previous_index(destination: Path, entries: list[str]) -> dict | None:
+    """DST's own index, when it reads as one (a dict with a 'weight_map' dict); else None."""
+    return _read_index(destination / INDEX_NAME) if INDEX_NAME in entries else None
+
+
+def _read_index(path: Path) -> dict | None:
     try:
-        with open(destination / INDEX_NAME, "rb") as file:  # a regular file: checked by the caller first
+        with open(path, "rb") as file:  # a regular file: checked by the caller first
             index = json.loads(file.read(64 * 1024 * 1024))
-        weight_map = index["weight_map"]
-        listed = {name for name in weight_map.values() if isinstance(name, str)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return names  # not an index we can read: only the names this run writes
-    return names | {name for name in listed if Path(name).name == name and name.endswith(".safetensors")}
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        return None
+    return index
+
+
+def _listed_shards(index: dict | None) -> set[str]:
+    """The shard names that the folder's own index lists: a previous output sharded differently."""
+    if index is None:
+        return set()
+    listed = {name for name in index["weight_map"].values() if isinstance(name, str)}
+    return {name for name in listed if Path(name).name == name and name.endswith(".safetensors")}
+
+
+def _recorded_companions(destination: Path, entries: list[str], index: dict | None) -> dict[str, str]:
+    """The companion files the previous output recorded as its own, with their SHA-256."""
+    value = None
+    if index is not None and isinstance(index.get("metadata"), dict):
+        value = index["metadata"].get(COMPANIONS_KEY)
+    elif SINGLE_NAME in entries:
+        try:
+            with safe_open(destination / SINGLE_NAME, framework="pt") as handle:
+                value = (handle.metadata() or {}).get(COMPANIONS_KEY)
+        except (SafetensorError, OSError):
+            value = None
+    try:
+        record = json.loads(value) if isinstance(value, str) else {}
+    except (ValueError, RecursionError):
+        return {}
+    return {name: digest for name, digest in record.items() if isinstance(digest, str)} if isinstance(
+        record, dict) else {}
+
+
+def _check_reads_as_safetensors(path: Path, destination: Path, name: str | None = None) -> None:
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError):
+        if name is None:
+            raise ValueError(
+                f"{shown(destination)}: {option('force')} replaces a file only if it reads as a safetensors file, "
+                "and this one does not: move it away or choose another DST"
+            ) from None
+        _refuse_entry(destination, name, "which does not read as a safetensors file")
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, as recorded for companion files."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1024 * 1024), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return file_digest(path)
+    except OSError:
+        return None
+
+
+def _same_bytes(path: Path, other: Path) -> bool:
+    try:
+        if os.path.getsize(path) != os.path.getsize(other):
+            return False
+        with open(path, "rb") as first, open(other, "rb") as second:
+            while True:
+                block = first.read(1024 * 1024)
+                if block != second.read(1024 * 1024):
+                    return False
+                if not block:
+                    return True
+    except OSError:
+        return False
 
 
 __all__ = [
-    "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable", "find_companions", "input_files",
+    "COMPANIONS_KEY", "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable", "check_shards_inside",
+    "companion_record", "file_digest", "find_companions", "input_files", "leaves_source", "output_permissions",
+    "permissions", "source_root",
 ]

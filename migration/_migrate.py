@@ -1,19 +1,24 @@
 """One migration run, in the order that keeps the input safe and the output whole.
 
 1. Check the arguments and the destination (paths only, no reads).
-2. Read the headers, find and check every attention module, plan each one; refuse before reading data.
+2. Read the headers, find and check every attention module, plan each one; refuse before reading data:
+   a shard from outside SRC, a tensor that expands far beyond its stored bytes, an output larger than
+   the free space.
 3. Compute the few rewritten biases; with ``verify``, compare each module before and after.
-4. Write every shard (and copy the companion files) into a staging file or folder beside the
-   destination, fsync it, and move it into place in one step (see :mod:`._staging`).
+4. Copy the companion files and write every shard into a staging file or folder beside the
+   destination (with ``verify``, read each file back and compare every tensor), sync it, and move it
+   into place in one step (see :mod:`._staging`).
 
 Nothing that is not ours is deleted or overwritten: see :mod:`._destination` for the rules.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -25,19 +30,34 @@ from tqdm import tqdm
 from slim_mha import SlimMultiheadAttention
 
 from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
-from ._destination import Companion, check_destination, check_replaceable, find_companions, input_files
-from ._staging import Staging, remove_litter
+from ._destination import (
+    COMPANIONS_KEY,
+    Companion,
+    check_destination,
+    check_replaceable,
+    check_shards_inside,
+    companion_record,
+    file_digest,
+    find_companions,
+    input_files,
+    output_permissions,
+    permissions,
+)
+from ._staging import Staging, remove_litter, sync_files
 from ._text import option, shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
-from ._verify import check_module_error, module_output_error, tolerance_for
-from ._writer import OutputTensor, copy_file, write_safetensors
-from .report import MigrationReport, ModuleReport
+from ._verify import check_module_error, check_written_file, check_written_text, module_output_error, tolerance_for
+from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
+from .report import MigrationReport, ModuleReport, format_size
 
 FORMAT_VERSION = SlimMultiheadAttention._version
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 # Tests only: "POINT=FILE" makes a run create FILE at POINT and wait, so that a test can kill it there.
 _TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
+# A torch file may hold a view that repeats a small storage (``expand``): written out, it takes its full
+# size. More than this many times its stored bytes, plus the slack, asks for allow_expand.
+_EXPANSION, _EXPANSION_SLACK = 4, 16 * 1024 * 1024
 
 
 def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
@@ -46,7 +66,10 @@ def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) 
     checkpoint = open_checkpoint(source)
     groups = find_attention_modules(checkpoint)
     marked = _zero_attn_modules(zero_attn, groups, checkpoint)
-    modules = tuple(_module_report(group, group.name in marked, read=_reader(group)) for group in groups)
+    recorded = _records_zero_attn(checkpoint)
+    modules = tuple(
+        _module_report(group, group.name in marked, recorded=recorded, read=_reader(group)) for group in groups
+    )
     return _report(checkpoint, "inspect", None, modules)
 
 
@@ -62,12 +85,16 @@ def migrate(
     force: bool = False,
     companions: bool = True,
     progress: bool | None = None,
+    follow_outside_links: bool = False,
+    allow_expand: bool = False,
 ) -> MigrationReport:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if fold_value_bias and mode == "to-stock":
         raise ValueError("fold_value_bias applies to strip and fold only; to-stock restores the stock layout")
     source, destination = Path(source), Path(destination)
+    if destination.name in ("", ".", ".."):  # "." names a folder whose staging must sit beside it, not in it
+        destination = Path(os.path.abspath(destination))
     zero_attn = _check_patterns(zero_attn)
     if not source.exists():
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
@@ -79,6 +106,9 @@ def migrate(
     check_destination(source, kind, destination, force=force)
 
     checkpoint = open_checkpoint(source)
+    check_shards_inside(checkpoint, follow_outside_links=follow_outside_links)
+    if not allow_expand:
+        _check_expansion(checkpoint)
     groups = find_attention_modules(checkpoint)
     if not groups:
         raise ValueError(
@@ -86,6 +116,7 @@ def migrate(
             "q_proj_weight); nothing was written"
         )
     marked = _zero_attn_modules(zero_attn, groups, checkpoint)
+    recorded = _records_zero_attn(checkpoint)
     plans = [
         plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
         for group in groups
@@ -109,7 +140,9 @@ def migrate(
         tensors = migrated_tensors(plan, read) if plan.changes else {}
         error = _verify_module(plan, tensors, read) if verify and plan.changes else None
         rewritten[group.prefix] = tensors
-        modules.append(_module_report(group, plan.zero_attn, plan=plan, verify_error=error, read=read))
+        modules.append(
+            _module_report(group, plan.zero_attn, recorded=recorded, plan=plan, verify_error=error, read=read)
+        )
 
     outputs = _output_files(checkpoint, plans, rewritten)
     metadata = {"slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": mode}
@@ -118,9 +151,7 @@ def migrate(
     zero_attn_names = sorted(plan.group.name for plan in plans if plan.zero_attn)
     if zero_attn_names:  # read back by the next run (_zero_attn_modules), so a round trip keeps the mark
         metadata["slim_mha.zero_attn_modules"] = ",".join(zero_attn_names)
-    output_tensors = sum(len(tensors) for _, tensors in outputs)
-    output_bytes = sum(tensor.nbytes for _, tensors in outputs for tensor in tensors)
-    found, skipped = find_companions(checkpoint)
+    found, skipped = find_companions(checkpoint, follow_outside_links=follow_outside_links)
     copied = found if companions else []
     if found and not companions:
         skipped = [f"did not copy {len(found)} companion files ({option('no_companions')})"]
@@ -129,18 +160,92 @@ def migrate(
     reads = input_files(checkpoint, found)
 
     def check() -> None:
-        check_replaceable(destination, directory=checkpoint.writes_directory, writes=writes, reads=reads)
+        check_replaceable(
+            destination, directory=checkpoint.writes_directory, writes=writes, reads=reads, companions=copied
+        )
 
     check()
+    # The sizes the files will have on disk; a companion record of the same length stands in for the
+    # digests, which are known only once the files are copied.
+    placeholder = {companion.name: "0" * 64 for companion in copied}
+    planned = _planned_sizes(checkpoint, outputs, metadata, placeholder)
+    output_bytes = sum(planned.values())
+    _check_free_space(destination, output_bytes + sum(companion.size for companion in copied))
+    written = {}
     if not dry_run:
-        notes += _write_output(checkpoint, destination, outputs, metadata, copied, force=force, check=check,
-                               progress=progress)
+        written, write_notes = _write_output(
+            checkpoint, destination, outputs, metadata, copied, force=force, check=check, progress=progress,
+            verify=verify,
+        )
+        notes += write_notes
+        output_bytes = sum(written.values())  # what is on disk, which the plan predicted
+    assumed = tuple(
+        module.name for module in modules if module.changed and module.zero_attn is None
+    ) if verify else ()
     return _report(
         checkpoint, mode, destination, tuple(modules),
-        output_tensors=output_tensors, output_bytes=output_bytes,
+        output_tensors=sum(len(tensors) for _, tensors in outputs), output_bytes=output_bytes,
         dry_run=dry_run, written=not dry_run, verified=verify,
+        files_read_back=len(written) if verify else 0, assumed_no_zero_attn=assumed,
         companions=tuple(companion.name for companion in copied), extra_notes=(*notes, *skipped),
     )
+
+
+def _check_expansion(checkpoint: Checkpoint) -> None:
+    """Refuse a torch file whose tensors, written out, would take far more than the file stores."""
+    for shard in checkpoint.shards:
+        for record in shard.records.values():
+            if record.stored is not None and record.nbytes > _EXPANSION * record.stored + _EXPANSION_SLACK:
+                raise ValueError(
+                    f"{shown(shard.path)}: '{shown(record.key)}' would take {format_size(record.nbytes)} once "
+                    f"written but stores {format_size(record.stored)} (an expanded view of a smaller tensor); "
+                    f"pass {option('allow_expand')} if that is intended"
+                )
+        if any(record.stored is not None for record in shard.records.values()):
+            size = os.stat(shard.path).st_size
+            if shard.nbytes > _EXPANSION * size + _EXPANSION_SLACK:
+                raise ValueError(
+                    f"{shown(shard.path)}: its tensors would take {format_size(shard.nbytes)} once written but the "
+                    f"file is {format_size(size)} (views that repeat the same data); pass "
+                    f"{option('allow_expand')} if that is intended"
+                )
+
+
+def _check_free_space(destination: Path, needed: int) -> None:
+    """Refuse before writing when the output cannot fit: a full disk found halfway costs the time."""
+    free = shutil.disk_usage(destination.parent).free
+    if needed > free:
+        error = OSError(
+            f"{shown(destination)}: the output needs {format_size(needed)} but its file system has "
+            f"{format_size(free)} free; free some space or choose another DST; nothing was written"
+        )
+        error.errno = errno.ENOSPC
+        raise error
+
+
+def _planned_sizes(
+    checkpoint: Checkpoint, outputs: list[tuple[str, list[OutputTensor]]], provenance: dict[str, str],
+    digests: dict[str, str],
+) -> dict[str, int]:
+    """Each output file's size on disk (shards and index), as :func:`_write_output` writes them."""
+    shards = {shard.name: shard for shard in checkpoint.shards}
+    sizes = {
+        name: planned_size(tensors, _file_metadata(checkpoint, shards[name], provenance, digests))
+        for name, tensors in outputs
+    }
+    if checkpoint.kind == "sharded":
+        sizes[checkpoint.index_name] = len(_index_text(checkpoint, outputs, provenance, digests).encode("utf-8"))
+    return sizes
+
+
+def _file_metadata(checkpoint: Checkpoint, shard, provenance: dict[str, str], digests: dict[str, str]) -> dict:
+    """A shard's metadata: the source's, the run's provenance, and, in the one file that stands for the
+    output folder (its single model.safetensors; else the index), the record of its companion files."""
+    metadata = {**shard.metadata, **provenance}
+    metadata.pop(COMPANIONS_KEY, None)
+    if digests and checkpoint.kind == "directory":
+        metadata[COMPANIONS_KEY] = companion_record(digests)
+    return metadata
 
 
 # ----------------------------------------------------------------------------------- arguments
@@ -169,7 +274,9 @@ def _zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], 
         hits = [name for name in names if fnmatch.fnmatchcase(name, pattern.rstrip("."))]
         if not hits:
             example = f"; modules are named like '{shown(names[0])}' (see inspect)" if names else ""
-            raise ValueError(f"{shown(source)}: --zero-attn '{shown(pattern)}' matches no attention module{example}")
+            raise ValueError(
+                f"{shown(source)}: {option('zero_attn')} '{shown(pattern)}' matches no attention module{example}"
+            )
         marked.update(hits)
     return marked
 
@@ -195,10 +302,16 @@ def _recorded_zero_attn(checkpoint: Checkpoint, names: set[str]) -> set[str]:
                 raise ValueError(
                     f"{shown(where)}: its metadata marks {shown(repr(name))} as an add_zero_attn module "
                     "(slim_mha.zero_attn_modules), but no attention module has that name: the tensors were "
-                    "renamed after slim_mha wrote them; convert the original checkpoint, with --zero-attn"
+                    f"renamed after slim_mha wrote them; convert the original checkpoint, with {option('zero_attn')}"
                 )
             recorded.add(name)
     return recorded
+
+
+def _records_zero_attn(checkpoint: Checkpoint) -> bool:
+    """Whether the checkpoint says which modules are add_zero_attn: slim_mha wrote it, and records them.
+    A stock checkpoint cannot: its modules' flag is unknown unless the user marks them."""
+    return bool(checkpoint.recorded("slim_mha.format_version"))
 
 
 def _unchanged(plans: list[ModulePlan]) -> str:
@@ -261,6 +374,7 @@ def _module_report(
     group: AttentionGroup,
     zero_attn: bool,
     *,
+    recorded: bool,
     read: Callable[[str], torch.Tensor],
     plan: ModulePlan | None = None,
     verify_error: float | None = None,
@@ -280,7 +394,9 @@ def _module_report(
         key_bias=key_bias,
         key_bias_max=key_bias_max,
         bias_kv=group.has_bias_kv,
-        zero_attn=zero_attn or "k_proj_bias" in group,
+        # Known when marked, when a slim module keeps k_proj_bias (only add_zero_attn does) or lacks it,
+        # or when slim_mha wrote the checkpoint and recorded its marks; a stock module cannot say.
+        zero_attn=True if zero_attn or "k_proj_bias" in group else (False if recorded or group.is_slim else None),
         strip=actions["strip"],
         fold=actions["fold"],
         to_stock=actions["to-stock"],
@@ -343,35 +459,63 @@ def _write_output(
     force: bool,
     check: Callable[[], None],
     progress: bool | None,
-) -> tuple[str, ...]:
+    verify: bool,
+) -> tuple[dict[str, int], tuple[str, ...]]:
     """Write the output into a staging path and move it into place; on any failure, including an
-    interruption, the staging path is removed and DST is left as it was. Returns notes for the report."""
+    interruption, the staging path is removed and DST is left as it was. Returns each written file's
+    size on disk (shards and index), and notes for the report."""
     shards = {shard.name: shard for shard in checkpoint.shards}
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
-    total += sum(os.stat(companion.path).st_size for companion in companions)
+    total += sum(companion.size for companion in companions)
     if progress is None:
         progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
                file=sys.stderr, disable=not progress)
-    staging = Staging(destination, directory=checkpoint.writes_directory)
+    # cp -p: each file keeps its source's permission bits, the folder its source folder's (a replaced
+    # DST its own, less any the source lacks), whatever the umask.
+    folder_source = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
+    if checkpoint.writes_directory:
+        mode = output_permissions(folder_source, destination, force=force)
+    else:
+        mode = output_permissions(checkpoint.shards[0].path, destination, force=force)
+    staging = Staging(destination, directory=checkpoint.writes_directory, mode=mode)
+    sizes: dict[str, int] = {}
     try:
         with staging:
+            # Companions first: the record of their digests goes into the files written after them.
+            digests = {}
+            for companion in companions:
+                bar.set_postfix_str(companion.name, refresh=False)
+                target = staging.path / companion.name
+                digests[companion.name] = copy_file(companion.path, target, bar.update, mode=companion.mode)
+                if verify and file_digest(target) != digests[companion.name]:
+                    raise RuntimeError(
+                        f"{shown(destination / companion.name)}: {option('verify')} read the copied file back and it "
+                        f"differs from {shown(companion.path)}; nothing was written"
+                    )
+            sync_files(staging.path, [companion.name for companion in companions])
             for number, (name, tensors) in enumerate(files):
                 path, final = (staging.path / name, destination / name) if checkpoint.writes_directory else (
                     staging.path, destination)
+                file_mode = mode if not checkpoint.writes_directory else permissions(shards[name].path)
                 bar.set_postfix_str(name, refresh=False)
-                write_safetensors(path, tensors, {**shards[name].metadata, **provenance}, bar.update, shown_as=final)
+                metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
+                sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
                 if number == 0:
                     _pause_for_tests("after-first-shard")
+                if verify:
+                    check_written_file(path, tensors, shown_as=final)
             if checkpoint.kind == "sharded":
-                _write_index(staging.path / checkpoint.index_name, checkpoint, files, provenance)
-            for companion in companions:
-                bar.set_postfix_str(companion.name, refresh=False)
-                copy_file(companion.path, staging.path / companion.name, bar.update)
+                text = _index_text(checkpoint, files, provenance, digests)
+                index = staging.path / checkpoint.index_name
+                _write_index(index, text, permissions(checkpoint.index_path))
+                sizes[checkpoint.index_name] = len(text.encode("utf-8"))
+                if verify:
+                    check_written_text(index, text, shown_as=destination / checkpoint.index_name)
             _pause_for_tests("before-commit")
             staging.commit(replace=force or _is_empty_directory(destination), check=check)
             _pause_for_tests("after-commit")
-        return tuple(staging.notes)
+        return sizes, tuple(staging.notes)
     except OSError as exc:
         if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
             raise  # already names the user's path
@@ -407,16 +551,26 @@ def _pause_for_tests(point: str) -> None:
         time.sleep(0.05)
 
 
-def _write_index(path: Path, checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], provenance) -> None:
+def _index_text(
+    checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], provenance: dict[str, str],
+    digests: dict[str, str],
+) -> str:
     weight_map = {tensor.key: name for name, tensors in files for tensor in tensors}
     total_size = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
-    index = {
-        "metadata": {**checkpoint.index_metadata, **provenance, "total_size": total_size},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    with open(path, "x", encoding="utf-8") as file:
-        file.write(json.dumps(index, indent=2) + "\n")
+    metadata = {**checkpoint.index_metadata, **provenance, "total_size": total_size}
+    metadata.pop(COMPANIONS_KEY, None)
+    if digests:
+        metadata[COMPANIONS_KEY] = companion_record(digests)
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(index, indent=2) + "\n"
+
+
+def _write_index(path: Path, text: str, mode: int) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(descriptor, "w", encoding="utf-8") as file:
+        file.write(text)
         file.flush()
+        os.fchmod(file.fileno(), mode)
         os.fsync(file.fileno())
 
 
@@ -425,13 +579,15 @@ def _report(
 ) -> MigrationReport:
     records = checkpoint.records
     metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
+    metadata.pop(COMPANIONS_KEY, None)  # bookkeeping for a later force run, not the model's metadata
+    files = {shard.path for shard in checkpoint.shards} | ({checkpoint.index_path} if checkpoint.index_path else set())
     return MigrationReport(
         mode=mode,
         source=checkpoint.source,
         destination=destination,
         shards=tuple(shard.name for shard in checkpoint.shards),
         tensors=len(records),
-        total_bytes=sum(record.nbytes for record in records.values()),
+        total_bytes=sum(os.stat(path).st_size for path in files),  # on disk, as ls and du count them
         modules=modules,
         metadata=metadata,
         notes=(*checkpoint.notes, *extra_notes),

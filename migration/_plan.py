@@ -18,7 +18,7 @@ from slim_mha.bias import BIAS_NAMES, SlimBiases, fold_key_bias, fold_value_bias
 
 from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
-from ._text import shown
+from ._text import option, shown
 
 MODES = ("strip", "fold", "to-stock")
 _WIDE = torch.float64
@@ -61,7 +61,7 @@ def plan_module(group: AttentionGroup, mode: str, *, zero_attn: bool, fold_value
         raise ValueError(
             f"{group.where('q_proj_bias')}: '{shown(group.name)}' is marked add_zero_attn but has no k_proj_bias; "
             "a slim add_zero_attn module keeps its key bias, so this checkpoint lost it when it was "
-            "converted without the mark: convert the original stock checkpoint again with --zero-attn"
+            f"converted without the mark: convert the original stock checkpoint again with {option('zero_attn')}"
         )
     if mode == "to-stock":
         return _plan_to_stock(group, zero_attn)

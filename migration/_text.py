@@ -29,6 +29,9 @@ _OPTIONS = {
     "force": ("force=True", "--force"),
     "no_companions": ("companions=False", "--no-companions"),
     "zero_attn": ("zero_attn", "--zero-attn"),
+    "verify": ("verify=True", "--verify"),
+    "follow_outside_links": ("follow_outside_links=True", "--follow-outside-links"),
+    "allow_expand": ("allow_expand=True", "--allow-expand"),
 }
 
 

@@ -10,13 +10,17 @@ Unchanged tensors that sit back to back in the source are copied as one run, in 
 (``copy_file_range``) when source and destination offsets agree within a page, otherwise through a
 1 MiB buffer; the header padding is chosen so that most copied bytes agree.
 
-Every file is fsynced before it is closed: the rename that publishes it must never overtake its data.
-Companion files (``config.json``, tokenizer files...) are copied the same way, byte for byte.
+Every shard is fsynced before it is closed: the rename that publishes it must never overtake its data.
+Companion files (``config.json``, tokenizer files...) are copied byte for byte, and made durable
+together by the staging folder's one sync (a model folder may hold thousands of them, and one fsync
+each costs a journal commit each). Every file is created readable by its owner only and gets its
+final permission bits before it is synced.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -49,26 +53,24 @@ class OutputTensor:
     tensor: Tensor | None = None
 
 
+def planned_size(tensors: list[OutputTensor], metadata: dict[str, str]) -> int:
+    """The size on disk of the file :func:`write_safetensors` writes for these tensors and metadata."""
+    blob, ordered, offsets = _layout(tensors, metadata)
+    return len(blob) + 8 + offsets[-1]
+
+
 def write_safetensors(
     path: Path, tensors: list[OutputTensor], metadata: dict[str, str], advance: Callable[[int], object],
-    *, shown_as: Path | None = None,
-) -> None:
-    """Write ``tensors`` to the file at ``path`` and fsync it; ``advance(n)`` is called as bytes are written.
-    Messages name the file as ``shown_as`` (where it will end up), not as the staging ``path``."""
-    ordered = sorted(tensors, key=lambda tensor: (-ITEM_SIZES.get(tensor.dtype, 1), tensor.key))
-    offsets = [0]
-    for tensor in ordered:
-        offsets.append(offsets[-1] + tensor.nbytes)
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    for tensor, begin, end in zip(ordered, offsets, offsets[1:]):
-        header[tensor.key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [begin, end]}
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    data_start = _data_start(8 + len(blob), ordered, offsets)
-    blob += b" " * (data_start - 8 - len(blob))  # the format allows trailing spaces in the header
-
+    *, shown_as: Path | None = None, mode: int = 0o644,
+) -> int:
+    """Write ``tensors`` to the file at ``path`` with permission bits ``mode`` and fsync it; returns its
+    size. ``advance(n)`` is called as bytes are written. Messages name the file as ``shown_as`` (where
+    it will end up), not as the staging ``path``."""
+    blob, ordered, offsets = _layout(tensors, metadata)
+    data_start = 8 + len(blob)
     sources: dict[Path, int] = {}
     buffer = bytearray(_BUFFER)
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         _write_at(target, len(blob).to_bytes(8, "little") + blob, 0)
         for run in _runs(ordered, offsets):
@@ -81,27 +83,44 @@ def write_safetensors(
                 sources[run.path] = os.open(run.path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe never blocks us
             _copy_range(sources[run.path], run.source_offset, target, destination, run.length, buffer, advance,
                         source_path=run.path)
+        os.fchmod(target, mode)
         os.fsync(target)
     finally:
         os.close(target)
         for descriptor in sources.values():
             os.close(descriptor)
     _check_written(path, ordered, shown_as or path)
+    return data_start + offsets[-1]
 
 
-def copy_file(source: Path, target: Path, advance: Callable[[int], object]) -> None:
+def _layout(tensors: list[OutputTensor], metadata: dict[str, str]) -> tuple[bytes, list[OutputTensor], list[int]]:
+    """The padded header, the tensors in file order, and their data offsets (one more: the data's end)."""
+    ordered = sorted(tensors, key=lambda tensor: (-ITEM_SIZES.get(tensor.dtype, 1), tensor.key))
+    offsets = [0]
+    for tensor in ordered:
+        offsets.append(offsets[-1] + tensor.nbytes)
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    for tensor, begin, end in zip(ordered, offsets, offsets[1:]):
+        header[tensor.key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [begin, end]}
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    data_start = _data_start(8 + len(blob), ordered, offsets)
+    return blob + b" " * (data_start - 8 - len(blob)), ordered, offsets  # the format allows trailing spaces
+
+
+def copy_file(source: Path, target: Path, advance: Callable[[int], object], *, mode: int = 0o644) -> str:
     """Copy ``source`` (a companion file; a symlink is followed) to a new file ``target``, byte for byte,
-    and fsync it. It is opened without blocking and checked to be a regular file, so a named pipe that
-    replaced it since it was listed cannot hang the run."""
+    with permission bits ``mode``; returns the SHA-256 of the bytes copied. Not synced: the caller
+    syncs the folder's files at once. It is opened without blocking and checked to be a regular file,
+    so a named pipe that replaced it since it was listed cannot hang the run."""
     descriptor = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
     try:
         before = os.fstat(descriptor)
         if not stat.S_ISREG(before.st_mode):
             raise ValueError(f"{shown(source)}: is no longer a regular file; it changed while being copied")
-        output = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        output = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            _copy_range(descriptor, 0, output, 0, before.st_size, bytearray(_BUFFER), advance, source_path=source)
-            os.fsync(output)
+            digest = _copy_hashing(descriptor, output, before.st_size, advance, source_path=source)
+            os.fchmod(output, mode)
         finally:
             os.close(output)
         after = os.fstat(descriptor)
@@ -109,6 +128,26 @@ def copy_file(source: Path, target: Path, advance: Callable[[int], object]) -> N
             raise ValueError(f"{shown(source)}: changed while being copied; copy again when nothing writes it")
     finally:
         os.close(descriptor)
+    return digest
+
+
+def _copy_hashing(source: int, target: int, length: int, advance: Callable[[int], object], *, source_path: Path) -> str:
+    """Copy through user space, hashing on the way: companion files are small, and the digest lets a
+    later ``force`` run recognise them as ours."""
+    digest = hashlib.sha256()
+    offset = 0
+    while offset < length:
+        block = os.pread(source, min(_BUFFER, length - offset), offset)
+        if not block:
+            raise ValueError(
+                f"{shown(source_path)}: ended {length - offset} bytes early; it changed while being read: "
+                "rerun when nothing writes it"
+            )
+        digest.update(block)
+        _write_at(target, block, offset)
+        offset += len(block)
+        advance(len(block))
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -129,7 +168,8 @@ def _runs(ordered: list[OutputTensor], offsets: list[int]) -> list[_Run]:
         record = tensor.record
         in_memory = tensor.tensor if tensor.tensor is not None else (record.tensor if record else None)
         if in_memory is not None:
-            runs.append(_Run(offset, tensor.nbytes, data=memoryview(in_memory.reshape(-1).view(torch.uint8).numpy())))
+            flat = in_memory.contiguous().reshape(-1)  # an expanded view (stride 0) is written out in full
+            runs.append(_Run(offset, tensor.nbytes, data=memoryview(flat.view(torch.uint8).numpy())))
             continue
         last = runs[-1] if runs else None
         if last and last.path == record.shard.path and last.source_offset + last.length == record.offset:
@@ -200,10 +240,17 @@ def _copy_through(source: int, source_offset: int, target: int, target_offset: i
 
 
 def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> None:
-    """Re-read the header just written; a mismatch is our bug, so it is an internal invariant."""
+    """Re-read the header just written; a mismatch is our bug (every key is checked when it is read),
+    so it is an internal invariant, and the output is never moved into place."""
     try:
         with safe_open(path, framework="pt") as handle:
             keys = set(handle.keys())
     except SafetensorError as exc:  # pragma: no cover - would be a bug in the writer
-        raise RuntimeError(f"{shown(shown_as)}: the file just written does not read back ({exc})") from None
+        raise RuntimeError(
+            f"{shown(shown_as)}: internal error: the output for this file did not read back ({exc}); nothing was "
+            "written"
+        ) from None
     assert keys == {tensor.key for tensor in ordered}, f"{shown(shown_as)}: written keys differ from the plan"
+
+
+__all__ = ["OutputTensor", "copy_file", "planned_size", "write_safetensors"]

@@ -42,8 +42,9 @@ DST is always safetensors: a .safetensors file for a file SRC. For an index or a
 folder: each shard is written as .safetensors under its Hugging Face name (pytorch_model.bin becomes
 model.safetensors, pytorch_model-00001-of-00002.bin model-00001-of-00002.safetensors, and
 pytorch_model.bin.index.json model.safetensors.index.json), and the other files of SRC's folder
-(config.json, tokenizer files, README...; not subfolders, not other weight files) are copied
-unchanged unless --no-companions. DST appears complete or not at all."""
+(config.json, tokenizer files, README...; not subfolders, not other weight files, not files that
+symbolic links take outside SRC) are copied unchanged unless --no-companions. DST appears complete
+or not at all, with the permission bits of its source (as cp -p), and never inside SRC."""
 
 _SUBCOMMANDS = {
     "strip": (
@@ -122,14 +123,29 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
         "--verify",
         action="store_true",
         help="rebuild every changed module from the original and the migrated tensors and compare their "
-        "outputs on random inputs; any mismatch fails and nothing is written",
+        "outputs on random inputs, then read every written file back and compare every tensor with the "
+        "source or its conversion; any mismatch fails and nothing is written. It assumes unmarked stock "
+        "modules were built without add_zero_attn, and says so",
     )
     sub.add_argument("--dry-run", action="store_true", help="check and plan (and verify), but write nothing")
     sub.add_argument(
         "--force",
         action="store_true",
-        help="replace DST if it exists: a file only if it is a regular file, a directory only if every "
-        "entry is a regular file a checkpoint output names (shards, index, companion files)",
+        help="replace DST if it exists: a file only if it is a safetensors file, a directory only if every "
+        "entry is a file this run writes and that is ours (shards and index that read as such, companion "
+        "files an earlier run wrote and nobody changed); anything else is named and nothing is touched",
+    )
+    sub.add_argument(
+        "--follow-outside-links",
+        action="store_true",
+        help="copy companion files, and read shards, whose symbolic links lead outside SRC's folder "
+        "(left out, or refused, by default; a Hugging Face cache snapshot's blobs count as inside)",
+    )
+    sub.add_argument(
+        "--allow-expand",
+        action="store_true",
+        help="write a torch file whose tensors, written out, take far more than the file stores "
+        "(views that repeat a small tensor); refused by default before anything is written",
     )
     sub.add_argument(
         "--no-companions",
@@ -282,6 +298,8 @@ def _run(args: argparse.Namespace):
         force=args.force,
         companions=args.companions,
         progress=False if args.quiet else None,
+        follow_outside_links=args.follow_outside_links,
+        allow_expand=args.allow_expand,
     )
     if args.command == "to-stock":
         return to_stock_checkpoint(args.source, args.destination, **options)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._text import shown
+from ._text import option, shown
 
-__all__ = ["ModuleReport", "MigrationReport", "format_report"]
+__all__ = ["ModuleReport", "MigrationReport", "format_report", "format_size"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class ModuleReport:
 
     ``shapes`` lists each tensor of the module (local name, shape). ``key_bias`` is ``"absent"``
     (``bias=False``), ``"dropped"`` (already slim), ``"zero"`` or ``"non-zero"``; ``key_bias_max`` is
-    the largest ``|b_k|`` where it is stored. ``strip``, ``fold`` and ``to_stock`` say what each mode
+    the largest ``|b_k|`` where it is stored. ``zero_attn`` is None where the checkpoint cannot tell
+    (stock modules that were not marked). ``strip``, ``fold`` and ``to_stock`` say what each mode
     does to the module; ``action`` is what this run did to it.
     """
 
@@ -34,7 +35,7 @@ class ModuleReport:
     key_bias: str
     key_bias_max: float | None
     bias_kv: bool
-    zero_attn: bool
+    zero_attn: bool | None  # None: unknown, as in a stock checkpoint that nobody marked
     strip: str
     fold: str
     to_stock: str
@@ -45,7 +46,13 @@ class ModuleReport:
 
 @dataclass(frozen=True)
 class MigrationReport:
-    """A whole run: ``mode`` is ``"inspect"``, ``"strip"``, ``"fold"`` or ``"to-stock"``."""
+    """A whole run: ``mode`` is ``"inspect"``, ``"strip"``, ``"fold"`` or ``"to-stock"``.
+
+    Sizes are sizes on disk: ``total_bytes`` of SRC's files, ``output_bytes`` of the written shards and
+    index (planned exactly, for a dry run). ``files_read_back`` counts the files ``verify`` compared
+    tensor by tensor; ``assumed_no_zero_attn`` names the changed modules it took to be built without
+    ``add_zero_attn``, which their checkpoint cannot record.
+    """
 
     mode: str
     source: Path
@@ -62,6 +69,8 @@ class MigrationReport:
     verified: bool = False
     notes: tuple[str, ...] = ()
     companions: tuple[str, ...] = ()  # files copied unchanged beside the shards (config.json...)
+    files_read_back: int = 0
+    assumed_no_zero_attn: tuple[str, ...] = ()
 
     @property
     def changed(self) -> tuple[ModuleReport, ...]:
@@ -82,7 +91,7 @@ def _format_inspect(report: MigrationReport) -> list[str]:
     count = len(report.modules)
     lines = [
         f"{report.source}: {count} attention module{'s' if count != 1 else ''}; "
-        f"{_plural(len(report.shards), 'shard')}, {_plural(report.tensors, 'tensor')}, {_size(report.total_bytes)}"
+        f"{_plural(len(report.shards), 'shard')}, {_plural(report.tensors, 'tensor')}, {format_size(report.total_bytes)}"
     ]
     if report.metadata:
         lines.append("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(report.metadata.items())))
@@ -95,7 +104,7 @@ def _format_inspect(report: MigrationReport) -> list[str]:
             key_bias += f" (max |b_k| {module.key_bias_max:.3g})"
         lines += [
             f"{module.name}: {module.layout}, {dims}, {module.dtype}, key bias {key_bias}, "
-            f"bias_k/bias_v {_yes(module.bias_kv)}, add_zero_attn {_yes(module.zero_attn)}",
+            f"bias_k/bias_v {_yes(module.bias_kv)}, {_zero_attn(module.zero_attn)}",
             "  shapes:   " + ", ".join(f"{local} {list(shape)}" for local, shape in module.shapes),
             f"  strip:    {module.strip}",
             f"  fold:     {module.fold}",
@@ -118,9 +127,22 @@ def _format_migration(report: MigrationReport) -> list[str]:
     if report.verified:
         worst = max((m.verify_error for m in report.changed if m.verify_error is not None), default=0.0)
         lines.append(f"verified {_plural(len(report.changed), 'module')}: largest relative output error {worst:.2g}")
+        if report.files_read_back:
+            lines.append(
+                f"verified {_plural(report.files_read_back, 'written file')} by reading "
+                f"{'it' if report.files_read_back == 1 else 'them'} back: every tensor matches the source or its "
+                "conversion"
+            )
+        if report.assumed_no_zero_attn:
+            count = len(report.assumed_no_zero_attn)
+            lines.append(
+                f"verify assumed {_plural(count, 'module')} built without add_zero_attn, which a stock checkpoint "
+                f"cannot record: if {'one was' if count > 1 else 'it was'} built with it, rerun with "
+                f"{option('zero_attn')} (see inspect)"
+            )
     what = (
         f"{_plural(len(report.shards), 'shard')}, {_plural(report.output_tensors or 0, 'tensor')}, "
-        f"{_size(report.output_bytes or 0)}"
+        f"{format_size(report.output_bytes or 0)}"
     )
     if report.companions:
         copied = "would copy" if report.dry_run else "copied"
@@ -140,7 +162,13 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _size(nbytes: int) -> str:
+def _zero_attn(flag: bool | None) -> str:
+    if flag is None:
+        return "add_zero_attn: unknown (not recorded in stock checkpoints)"
+    return f"add_zero_attn {_yes(flag)}"
+
+
+def format_size(nbytes: int) -> str:
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":

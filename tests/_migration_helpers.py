@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
+
+from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 
 from slim_mha.migration.cli import main
 
@@ -17,6 +22,20 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
         code = exit.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# A test that reads a .pt input: on torch < 2.6 the migration refuses every pickle, by design (a test of
+# its own checks that refusal), so such a test has nothing to check there.
+reads_pickles = pytest.mark.skipif(
+    not torch_reads_pickles_safely(), reason="torch < 2.6 refuses pickle-based inputs (needs torch >= 2.6)"
+)
+
+
+def old_output(path: Path, value: float = 0.0) -> bytes:
+    """A small safetensors file at ``path``, standing for an earlier output that --force may replace;
+    returns its bytes, to prove it unchanged."""
+    save_file({"old": torch.full((2,), value)}, path)
+    return path.read_bytes()
 
 
 def refusal(error: type[BaseException], function: Callable, *args, **kwargs) -> str:

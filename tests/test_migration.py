@@ -28,6 +28,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
+from _migration_helpers import reads_pickles
 
 # Every configuration stock accepts; ids name them.
 CONFIGS = {
@@ -260,7 +261,7 @@ def test_zero_attn_globs_mark_every_matching_module(tmp_path):
     assert sorted(key for key in out if key.endswith("k_proj_bias")) == [
         f"decoder.layers.{layer}.self_attn.k_proj_bias" for layer in range(3)
     ]
-    assert [module.zero_attn for module in report.modules] == [True, True, True, False]
+    assert [module.zero_attn for module in report.modules] == [True, True, True, None]  # a stock module cannot say
     with safe_open(tmp_path / "out.safetensors", "pt") as handle:
         assert handle.metadata()["slim_mha.zero_attn_modules"] == ",".join(
             f"decoder.layers.{layer}.self_attn" for layer in range(3)
@@ -272,7 +273,7 @@ def test_zero_attn_pattern_matching_nothing_is_an_error(tmp_path):
     with pytest.raises(ValueError) as caught:
         fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["decoder.*"])
     assert str(caught.value) == (
-        f"{tmp_path / 'in.safetensors'}: --zero-attn 'decoder.*' matches no attention module; modules are "
+        f"{tmp_path / 'in.safetensors'}: zero_attn 'decoder.*' matches no attention module; modules are "
         "named like 'encoder.attn' (see inspect)"
     )
 
@@ -285,7 +286,7 @@ def test_zero_attn_mark_contradicting_a_slim_checkpoint_is_an_error(tmp_path):
     assert str(caught.value) == (
         f"'attn.q_proj_bias' in {tmp_path / 'slim.safetensors'}: 'attn' is marked add_zero_attn but has no "
         "k_proj_bias; a slim add_zero_attn module keeps its key bias, so this checkpoint lost it when it was "
-        "converted without the mark: convert the original stock checkpoint again with --zero-attn"
+        "converted without the mark: convert the original stock checkpoint again with zero_attn"
     )
 
 
@@ -367,6 +368,7 @@ def test_directory_with_a_single_model_file(tmp_path):
 
 @pytest.mark.parametrize("wrapper", [None, "state_dict", "model"])
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin"])
+@reads_pickles
 def test_torch_state_dicts_and_their_wrappers(tmp_path, wrapper, suffix):
     stock = stock_attention(add_bias_kv=True)
     state = prefixed(stock, "attn.")
@@ -380,6 +382,7 @@ def test_torch_state_dicts_and_their_wrappers(tmp_path, wrapper, suffix):
         assert handle.metadata()["format"] == "pt"
 
 
+@reads_pickles
 def test_torch_tensors_sharing_storage_are_written_separately(tmp_path):
     state = prefixed(stock_attention(), "attn.")
     state["tied.weight"] = state["attn.out_proj.weight"]  # tied weights share storage in memory
@@ -407,7 +410,7 @@ def test_verify_catches_a_wrong_fold_and_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError) as caught:
         fold_checkpoint(source, tmp_path / "out.safetensors", verify=True)
     message = str(caught.value)
-    assert message.startswith(f"{source}: --verify failed for 'attn': the migrated module's output differs ")
+    assert message.startswith(f"{source}: verify=True failed for 'attn': the migrated module's output differs ")
     assert message.endswith("more than the 1e-05 allowed for torch.float32; nothing was written")
     assert not (tmp_path / "out.safetensors").exists()
     fold_checkpoint(source, tmp_path / "out.safetensors")  # unverified, the bug would have gone through
@@ -442,15 +445,15 @@ def test_inspect_reports_layout_key_bias_and_plans(tmp_path):
     report = inspect_checkpoint(tmp_path / "in.safetensors", zero_attn=["za"])
     summary = [(m.name, m.layout, m.key_bias, m.bias_kv, m.zero_attn, m.strip, m.fold) for m in report.modules]
     assert summary == [
-        ("kv", "stock", "non-zero", True, False, "refuses: bias_k is present (use fold)",
+        ("kv", "stock", "non-zero", True, None, "refuses: bias_k is present (use fold)",
          "drop the key slice of in_proj_bias, fold it into bias_k"),
-        ("nobias", "no input bias", "absent", False, False, "nothing to do (no input bias)",
+        ("nobias", "no input bias", "absent", False, None, "nothing to do (no input bias)",
          "nothing to do (no input bias)"),
         ("za", "stock", "non-zero", False, True, "refuses: add_zero_attn (use fold)",
          "split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)"),
-        ("zero_key", "stock", "zero", False, False, "drop the key slice of in_proj_bias",
+        ("zero_key", "stock", "zero", False, None, "drop the key slice of in_proj_bias",
          "drop the key slice of in_proj_bias"),
-    ]
+    ]  # None: a stock checkpoint cannot record add_zero_attn, and only "za" was marked
     assert report.modules[0].key_bias_max == pytest.approx(float(tensors["kv.in_proj_bias"][8:16].abs().max()))
     assert report.tensors == len(tensors)
     assert report.destination is None and not report.written
@@ -484,6 +487,7 @@ def test_a_bare_module_checkpoint_has_the_root_prefix(tmp_path):
     torch.testing.assert_close(outputs(slim_from(state, **config), config), outputs(stock, config))
 
 
+@reads_pickles
 def test_legacy_torch_serialization_is_read_too(tmp_path):
     stock = stock_attention()
     torch.save(prefixed(stock, "attn."), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)

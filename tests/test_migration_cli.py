@@ -19,7 +19,8 @@ import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import run_cli
+from _migration_helpers import old_output, run_cli
+from slim_mha.migration.report import format_size
 
 PROG = "slim-mha-migrate"
 
@@ -50,7 +51,7 @@ def test_fold_prints_what_it_did(tmp_path, stock_file, capsys):
         f"fold {stock_file} -> {out_path}: 2 of 2 attention modules changed",
         "  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k",
         "  enc.attn: drop the key slice of in_proj_bias",
-        f"wrote {out_path} (1 shard, 12 tensors, 2.25 KiB)",
+        f"wrote {out_path} (1 shard, 12 tensors, {format_size(out_path.stat().st_size)})",  # its size on disk
     ]
     assert "dec.attn.q_proj_bias" in load_file(out_path)
 
@@ -62,9 +63,13 @@ def test_verify_and_dry_run(tmp_path, stock_file, capsys):
     assert lines[1].startswith("  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k [verified, error ")
     assert lines[3].startswith("verified 2 modules: largest relative output error ")
     assert lines[4] == (
-        f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 12 tensors, 2.25 KiB); nothing was written"
+        "verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
+        "was built with it, rerun with --zero-attn (see inspect)"
     )
     assert not (tmp_path / "slim.safetensors").exists()
+    run_cli(["fold", stock_file, tmp_path / "slim.safetensors"], capsys)  # the size planned is the size written
+    size = format_size((tmp_path / "slim.safetensors").stat().st_size)
+    assert lines[5] == f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 12 tensors, {size}); nothing was written"
 
 
 def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
@@ -97,9 +102,10 @@ def test_inspect_output(tmp_path, stock_file, capsys):
     code, out, err = run_cli(["inspect", stock_file], capsys)
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0] == f"{stock_file}: 2 attention modules; 1 shard, 10 tensors, 2.31 KiB"
+    size = format_size(stock_file.stat().st_size)  # on disk
+    assert lines[0] == f"{stock_file}: 2 attention modules; 1 shard, 10 tensors, {size}"
     assert lines[1].startswith("dec.attn: stock, embed_dim=8, float32, key bias non-zero (max |b_k| ")
-    assert lines[1].endswith("), bias_k/bias_v yes, add_zero_attn no")
+    assert lines[1].endswith("), bias_k/bias_v yes, add_zero_attn: unknown (not recorded in stock checkpoints)")
     assert lines[2:6] == [
         "  shapes:   in_proj_weight [24, 8], in_proj_bias [24], bias_k [1, 1, 8], bias_v [1, 1, 8], "
         "out_proj.weight [8, 8], out_proj.bias [8]",
@@ -141,7 +147,7 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv
 
 
 def test_existing_output_then_force(tmp_path, stock_file, capsys):
-    (tmp_path / "out.safetensors").write_bytes(b"x")
+    old_output(tmp_path / "out.safetensors")
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, err) == (1, f"{PROG} fold: error: {tmp_path / 'out.safetensors'}: already exists; pass --force to replace it\n")
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
@@ -412,7 +418,8 @@ def test_ctrl_c_while_python_shuts_down_after_the_run_changes_nothing(tmp_path):
     command = [sys.executable, "-m", "slim_mha.migration", "fold", "stock.safetensors", "out.safetensors"]
     result = _interrupted_at(_HOLD_SHUTDOWN, command, work)
     assert (result.returncode, result.stderr) == (0, "")
-    assert result.stdout.splitlines()[-1] == "wrote out.safetensors (1 shard, 5 tensors, 1.09 KiB)"
+    size = format_size((work / "out.safetensors").stat().st_size)
+    assert result.stdout.splitlines()[-1] == f"wrote out.safetensors (1 shard, 5 tensors, {size})"
     assert "attn.q_proj_bias" in load_file(work / "out.safetensors")
 
 
@@ -462,7 +469,7 @@ def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, 
 
 
 def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock_file, capsys, monkeypatch):
-    (tmp_path / "out.safetensors").write_bytes(b"old")
+    old = old_output(tmp_path / "out.safetensors")
 
     def interrupted_at(point):
         if point == "before-commit":
@@ -473,7 +480,7 @@ def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock
     assert code == 130
     out_path = tmp_path / "out.safetensors"
     assert err == f"{PROG} fold: interrupted; nothing was written: {out_path} was left as it was\n"
-    assert out_path.read_bytes() == b"old"
+    assert out_path.read_bytes() == old
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "stock.safetensors"]
 
 

@@ -79,20 +79,41 @@ def test_weights_subfolders_and_special_files_are_left_out_and_said(tmp_path, mo
     )
 
 
-def test_companions_reached_through_symlinks_are_copied_as_files(tmp_path, model_folder):
-    """A Hugging Face cache snapshot is all symlinks into a blobs folder: shards and companions alike."""
-    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
-    blobs.mkdir()
-    snapshot.mkdir()
+def _hub_snapshot(model_folder: Path, repository: Path) -> Path:
+    """The Hugging Face cache layout: ``snapshots/<rev>/NAME -> ../../blobs/<hash>``, shards and companions alike."""
+    blobs, snapshot = repository / "blobs", repository / "snapshots" / ("ab" * 20)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
     for number, name in enumerate(sorted(os.listdir(model_folder))):
-        (model_folder / name).rename(blobs / f"{number:040x}")
-        os.symlink(blobs / f"{number:040x}", snapshot / name)
+        (model_folder / name).rename(blobs / f"{number:064x}")
+        os.symlink(f"../../blobs/{number:064x}", snapshot / name)
+    return snapshot
+
+
+def test_companions_reached_through_symlinks_are_copied_as_files(tmp_path, model_folder):
+    """A Hugging Face cache snapshot links into its repository's blobs/: those files are SRC's own."""
+    snapshot = _hub_snapshot(model_folder, tmp_path / "hub" / "models--org--name")
+    blobs = snapshot.parents[1] / "blobs"
     blobs_before = tree_digest(blobs)
-    fold_checkpoint(snapshot, tmp_path / "out")
+    report = fold_checkpoint(snapshot, tmp_path / "out")
     out = tmp_path / "out"
     assert not any((out / name).is_symlink() for name in os.listdir(out))
     assert {name: (out / name).read_bytes() for name in COMPANIONS} == COMPANIONS
-    assert tree_digest(blobs) == blobs_before
+    assert tree_digest(blobs) == blobs_before and report.notes == ()
+
+
+def test_a_snapshot_linking_into_another_repository_is_outside(tmp_path, model_folder):
+    snapshot = _hub_snapshot(model_folder, tmp_path / "hub" / "models--org--name")
+    other = tmp_path / "hub" / "models--someone--else" / "blobs"
+    other.mkdir(parents=True)
+    (other / "secret").write_bytes(b"not this model's")
+    os.symlink(other / "secret", snapshot / "notes.txt")
+    report = fold_checkpoint(snapshot, tmp_path / "out")
+    assert not (tmp_path / "out" / "notes.txt").exists()
+    assert report.notes == (
+        f"did not copy notes.txt: a symbolic link that leads outside SRC, to {other / 'secret'} "
+        "(follow_outside_links=True copies it)",
+    )
 
 
 def test_no_companions_leaves_them_out(tmp_path, model_folder):

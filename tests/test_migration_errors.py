@@ -16,7 +16,7 @@ import slim_mha.migration._migrate as migrate_module
 import slim_mha.migration._writer as writer_module
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import refusal
+from _migration_helpers import old_output, reads_pickles, refusal
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 
@@ -160,6 +160,7 @@ class _Evil:
         return (os.system, ("touch pwned-by-pickle",))
 
 
+@reads_pickles
 def test_pickle_needing_more_than_tensors_is_refused_unexecuted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "evil.pt"
@@ -180,6 +181,7 @@ def test_pickle_needing_more_than_tensors_is_refused_unexecuted(tmp_path, monkey
 
 @pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"hello world" * 10],
                          ids=["truncated", "garbage"])
+@reads_pickles
 def test_truncated_or_corrupt_torch_file(tmp_path, damage):
     good = tmp_path / "good.pt"
     torch.save(prefixed(stock_attention(), "attn."), good)
@@ -191,6 +193,7 @@ def test_truncated_or_corrupt_torch_file(tmp_path, damage):
     assert "\n" not in message
 
 
+@reads_pickles
 def test_torch_state_dict_with_a_non_tensor(tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"attn.in_proj_weight": torch.zeros(3, 1), "step": 7}, path)
@@ -199,6 +202,7 @@ def test_torch_state_dict_with_a_non_tensor(tmp_path):
     )
 
 
+@reads_pickles
 def test_torch_file_that_is_not_a_dict(tmp_path):
     path = tmp_path / "model.pt"
     torch.save([torch.zeros(2)], path)
@@ -308,11 +312,11 @@ def test_already_converted_has_nothing_to_do(tmp_path, stock_file):
 
 def test_existing_output_needs_force(tmp_path, stock_file):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"precious")
+    precious = old_output(out)
     assert refusal(FileExistsError, fold_checkpoint, stock_file, out) == (
         f"{out}: already exists; pass force=True to replace it"  # API words
     )
-    assert out.read_bytes() == b"precious"
+    assert out.read_bytes() == precious
     fold_checkpoint(stock_file, out, force=True)
     assert "attn.q_proj_bias" in load_file(out)
 
@@ -374,6 +378,7 @@ def test_file_output_onto_a_directory_is_refused(tmp_path, stock_file):
 # ---------------------------------------------------------------------------------- safety while writing
 
 
+@reads_pickles
 def test_input_is_never_modified(tmp_path, stock_file, sharded):
     torch.save(prefixed(stock_attention(), "attn."), tmp_path / "stock.pt")
     for source, destination in ((stock_file, "a.safetensors"), (sharded, "b"), (tmp_path / "stock.pt", "c.safetensors")):
@@ -406,7 +411,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, sharded, monkeypat
 
 def test_interrupted_forced_write_keeps_the_old_output(tmp_path, stock_file, monkeypatch):
     out = tmp_path / "out.safetensors"
-    out.write_bytes(b"previous output")
+    previous = old_output(out)
 
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
@@ -414,7 +419,7 @@ def test_interrupted_forced_write_keeps_the_old_output(tmp_path, stock_file, mon
     monkeypatch.setattr(migrate_module, "write_safetensors", fail)
     with pytest.raises(KeyboardInterrupt):
         fold_checkpoint(stock_file, out, force=True)
-    assert out.read_bytes() == b"previous output"
+    assert out.read_bytes() == previous
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "stock.safetensors"]
 
 

@@ -32,7 +32,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
-from _migration_helpers import refusal, run_cli
+from _migration_helpers import reads_pickles, refusal, run_cli
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"
@@ -219,7 +219,7 @@ def test_verify_fails_when_a_recorded_key_bias_would_be_dropped(tmp_path, zero_a
         return biases._replace(k_proj_bias=torch.zeros_like(biases.k_proj_bias))  # the kept b_k is lost
 
     monkeypatch.setattr(plan_module, "fold_key_bias", losing_fold)
-    with pytest.raises(RuntimeError, match="--verify failed for 'attn'"):
+    with pytest.raises(RuntimeError, match="verify=True failed for 'attn'"):
         fold_checkpoint(tmp_path / "back.safetensors", tmp_path / "again.safetensors", verify=True)
     assert not (tmp_path / "again.safetensors").exists()
 
@@ -247,7 +247,7 @@ def test_a_recorded_mark_naming_no_module_is_refused(tmp_path):
     assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
         f"{path}: its metadata marks 'decoder.attn' as an add_zero_attn module (slim_mha.zero_attn_modules), but "
         "no attention module has that name: the tensors were renamed after slim_mha wrote them; convert the "
-        "original checkpoint, with --zero-attn"
+        "original checkpoint, with zero_attn"
     )
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -301,6 +301,7 @@ def _save_bin_shards(state: dict, directory, shards: int = 2):
 
 
 @pytest.mark.parametrize("through", ["directory", "index_file"])
+@reads_pickles
 def test_sharded_bin_checkpoint(tmp_path, through):
     stock = randomize(_transformer(), seed=0)
     state = {key: value.detach().clone() for key, value in stock.state_dict().items()}
@@ -315,6 +316,7 @@ def test_sharded_bin_checkpoint(tmp_path, through):
     _assert_slim_model_matches(stock, load_sharded(tmp_path / "slim"))
 
 
+@reads_pickles
 def test_directory_with_a_single_pytorch_model_bin(tmp_path):
     stock = randomize(_transformer(), seed=1)
     (tmp_path / "stock").mkdir()
@@ -329,6 +331,7 @@ class _Evil:
         return (os.system, ("touch pwned-by-pickle",))
 
 
+@reads_pickles
 def test_a_malicious_bin_shard_is_refused_unexecuted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state = prefixed(stock_attention(), "attn.")
@@ -340,6 +343,7 @@ def test_a_malicious_bin_shard_is_refused_unexecuted(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned-by-pickle").exists()
 
 
+@reads_pickles
 def test_lightning_checkpoint_is_read_like_a_pt(tmp_path):
     """A PyTorch Lightning .ckpt as Lightning writes it: the model's state dict under 'state_dict'
     (keys prefixed by the LightningModule's attribute), beside optimizer and loop state."""
@@ -445,6 +449,7 @@ def test_a_shard_that_is_not_a_file_is_named_truthfully(tmp_path, two_shards, no
 # ---------------------------------------------------------------------------------- not a torch file
 
 
+@reads_pickles
 def test_random_bytes_in_a_pt_are_not_called_a_malicious_pickle(tmp_path):
     generator = random.Random(0)
     for number in range(8):
@@ -473,6 +478,7 @@ def test_random_bytes_in_a_pt_are_not_called_a_malicious_pickle(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["legacy_torch_save", "plain_pickle"])
+@reads_pickles
 def test_malicious_pickles_in_other_layouts_are_still_refused(tmp_path, monkeypatch, how):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "evil.pt"

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import slim_mha.migration._staging as staging_module
 from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import refusal
+from _migration_helpers import old_output, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -45,9 +45,9 @@ def _litter(folder: Path) -> list[str]:
     return sorted(name for name in os.listdir(folder) if LITTER.fullmatch(name))
 
 
-def _force_refused(source: Path, destination: Path, message: str) -> None:
+def _force_refused(source: Path, destination: Path, message: str, **options) -> None:
     before = tree_digest(destination.parent)
-    assert refusal(ValueError, fold_checkpoint, source, destination, force=True) == message
+    assert refusal(ValueError, fold_checkpoint, source, destination, force=True, **options) == message
     assert tree_digest(destination.parent) == before  # nothing touched, anywhere beside DST either
     assert _litter(destination.parent) == []
 
@@ -126,17 +126,22 @@ def test_a_directory_destination_that_is_a_symlink_is_refused(tmp_path, sharded)
 
 
 def test_symlinked_shards_protect_their_targets(tmp_path, sharded):
-    """`fold src real --force`, where src/ holds symlinks to real/*: refused, real/ untouched."""
+    """`fold src real --force`, where src/ holds symlinks to real/*: refused, real/ untouched; first as
+    links that leave SRC, then, when they are followed, as inputs."""
     links = tmp_path / "links"
     links.mkdir()
     for name in os.listdir(sharded):
         os.symlink(sharded / name, links / name)
     shard = links / "model-00001-of-00003.safetensors"
+    _force_refused(links, sharded, (
+        f"{shard}: a symbolic link that leads outside SRC, to {sharded / shard.name}; its data would be copied "
+        "into DST: copy the file into SRC, or pass follow_outside_links=True if you trust where it leads"
+    ))
     message = (
         f"{sharded}: DST would overwrite the input {shard} (through its link, {sharded / shard.name}); "
         "write to another path"
     )
-    _force_refused(links, sharded, message)
+    _force_refused(links, sharded, message, follow_outside_links=True)
 
 
 def test_a_symlinked_single_file_protects_its_target(tmp_path):
@@ -162,7 +167,7 @@ def test_a_companion_reached_through_a_symlink_is_protected(tmp_path, sharded):
     (sharded / "config.json").unlink()
     os.symlink(out / "config.json", sharded / "config.json")
     _force_refused(sharded, out, f"{out}: DST would overwrite the input {sharded / 'config.json'} (through its "
-                   f"link, {out / 'config.json'}); write to another path")
+                   f"link, {out / 'config.json'}); write to another path", follow_outside_links=True)
 
 
 # ---------------------------------------------------------------------------------- staging and swapping
@@ -215,7 +220,7 @@ def test_fallback_without_exchange_replaces_and_rolls_back_on_failure(tmp_path, 
     reference = _reference(tmp_path, sharded)
     out = tmp_path / "out"
     fold_checkpoint(sharded, out)
-    (out / "model-00003-of-00003.safetensors").write_bytes(b"an old shard")  # mark the old output
+    old_output(out / "model-00003-of-00003.safetensors")  # mark the old output
     monkeypatch.setattr(staging_module, "_renameat2", lambda *args: False)  # as on a file system without it
     old = tree_digest(out)
     renames = []
@@ -320,16 +325,19 @@ def test_dry_run_leaves_litter_alone(tmp_path, sharded):
 
 def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, sharded, monkeypatch):
     events = []
-    real_fsync, real_rename = os.fsync, staging_module._renameat2
+    real_fsync, real_rename, real_syncfs = os.fsync, staging_module._renameat2, staging_module._syncfs
     monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(staging_module, "_syncfs",
+                        lambda fd: events.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}"))) or real_syncfs(fd))
     monkeypatch.setattr(staging_module, "_renameat2", lambda *args: events.append(("rename",)) or real_rename(*args))
     fold_checkpoint(sharded, tmp_path / "out")
     rename = events.index(("rename",))
     synced = [Path(path).name for _, path in events[:rename]]
     staging_name = Path(events[rename - 1][1]).name  # the staging folder itself, last before the rename
     assert staging_name.startswith(".out.slim-mha-staging-")
-    assert sorted(synced[:-1]) == [
-        "config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+    assert events[0] == ("syncfs", events[rename - 1][1])  # the companions (config.json), all in one call
+    assert sorted(synced[1:-1]) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
         "model-00003-of-00003.safetensors", "model.safetensors.index.json",
     ]
     assert events[rename + 1:] == [("fsync", str(tmp_path))]  # and the folder holding DST, after

@@ -43,6 +43,7 @@ def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
 
 _CHILD = """
 import sys
+import slim_mha.migration._migrate  # torch and the run's modules, imported on first use: not counted either
 from slim_mha.migration.cli import main
 def status(field):
     with open("/proc/self/status") as f:
