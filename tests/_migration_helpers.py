@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,15 @@ from safetensors.torch import save_file
 from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 
 from slim_mha.migration.cli import main
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a CLI process that a test interrupts: Ctrl-C acts as in a terminal.
+
+    A process started from a background job inherits an ignored SIGINT, and Python then installs no
+    KeyboardInterrupt handler: the SIGINT a test sends would never land, however the suite was started.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:

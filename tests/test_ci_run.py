@@ -127,10 +127,9 @@ def test_a_switch_other_than_0_or_1_is_refused(ci_copy):
     assert result.stderr == ".ci/run: SLIM_MHA_CI_NEWEST must be 0 (skip that torch) or 1 (run it, the default), not 'no'\n"
 
 
-def test_an_ignored_sigint_is_refused_before_any_step(ci_copy):
+def test_a_run_started_as_a_background_job_runs(ci_copy):
+    """A background job inherits an ignored SIGINT; the tests that send one reset it in their child
+    processes (tests/_migration_helpers.py), so .ci/run need not refuse such a start."""
     result = run_ci(ci_copy, ignore_sigint=True)
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == (".ci/run: SIGINT is ignored in this shell, so the Ctrl-C tests cannot pass; run .ci/run in "
-                             "the foreground, or from a shell with job control (set -m) when it must go to the "
-                             "background\n")
-    assert not (ci_copy / ".venv").exists()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(".ci/run: all steps passed\n")

@@ -19,7 +19,7 @@ import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import old_output, run_cli
+from _migration_helpers import default_sigint, old_output, run_cli
 from slim_mha.migration.report import format_size
 
 PROG = "slim-mha-migrate"
@@ -362,7 +362,7 @@ def _interrupted_at(hook: str, command: list[str], cwd: Path, **fields: str) -> 
     environment = _environment()
     environment["PYTHONPATH"] = os.pathsep.join([str(folder), environment["PYTHONPATH"]])
     process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=environment)
+                               env=environment, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 180  # a busy machine
         while not ready.exists():

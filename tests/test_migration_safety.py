@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import slim_mha.migration._staging as staging_module
 from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import old_output, refusal
+from _migration_helpers import default_sigint, old_output, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -354,7 +354,7 @@ def _start(source: Path, destination: Path, pause: str, ready: Path, *options: s
     }
     return subprocess.Popen(
         [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(destination), *options],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, preexec_fn=default_sigint,
     )
 
 
