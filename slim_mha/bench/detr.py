@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -140,8 +141,6 @@ def explicit_softmax_calls(step: Callable[[], None]) -> int:
     The weights path is the only place a layer calls softmax itself; SDPA's math fallback (CPU
     training with dropout) runs one inside the SDPA op, which materialises no weights for the caller.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     with _profiler_chatter_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     count = 0

@@ -27,6 +27,7 @@ from .report import (
     format_summary,
     format_table,
     format_targets,
+    paired_ratio,
     plot_speedup,
     write_json,
 )
@@ -195,8 +196,8 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
         ratios = result["ratios"]
         left = (time.perf_counter() - started) / index * (len(cases) - index)
         print(
-            f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  stock/slim {ratios['stock_over_slim']:.2f}x  "
-            f"slim/floor {ratios['slim_over_floor']:.2f}x" + (f"  (about {left:.0f} s left)" if left else ""),
+            f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  stock/slim {ratios['stock_over_slim']:.2f}x "
+            f"(paired {paired_ratio(result):.2f}x)" + (f"  about {left:.0f} s left" if left else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -223,7 +224,8 @@ def _busy_machine_note(results: list[dict], busy: int) -> str | None:
         return None
     return (
         f"warning: the machine was busy (1-minute load up to {max(loads):.1f} on {cores} cores);\n"
-        "other processes shared the CPU, so spreads are wide and single cases may be off"
+        "other processes shared the CPU, so spreads are wide and single cases may be off. Each op waits\n"
+        "for its slowest thread: --threads 1 gives ratios that reproduce from run to run on a busy CPU"
     )
 
 
