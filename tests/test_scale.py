@@ -403,6 +403,8 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
         ("stock point-cloud inference +mask", 64, "ok"), ("slim point-cloud inference +mask", 64, "ok"),
     ]
     assert payload["cases"][0]["stock_path"] == "native fast path"  # the path that holds N x N scores
+    for record in payload["cases"]:  # one fault count per timed call
+        assert len(record["faults_per_call"]) == len(record["times_s"]) and min(record["faults_per_call"]) >= 0
     markdown = path.with_suffix(".md").read_text()
     assert "**point-cloud (E=64, H=4), inference**" in markdown
     assert "| N | stock, padding mask | slim, padding mask |" in markdown

@@ -204,14 +204,35 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
     payload["elapsed_s"] = time.perf_counter() - started
 
 
-def _estimate(cases: list, settings) -> str:
-    """A bound on the run's time before it starts: each case times its contenders until its budget is
-    spent, then a few seconds go to checking outputs, profiling memory and the cold repeats."""
-    per_case = settings.max_case_s + 3.0 + 0.5 * settings.cold_repeats
-    return (
-        f"expected time: at most about {max(1, round(len(cases) * per_case / 60))} minutes "
-        f"({len(cases)} cases, each timed for up to {settings.max_case_s:.0f} s)"
-    )
+def _matmul_rate(device: torch.device) -> float:
+    """Floating-point operations per second of a 512 x 512 fp32 matmul here and now (load included)."""
+    a = torch.randn(512, 512, device=device)
+    torch.mm(a, a)  # the first call loads the kernel
+    started = time.perf_counter()
+    for _ in range(5):
+        torch.mm(a, a)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 5 * 2 * 512**3 / max(time.perf_counter() - started, 1e-9)
+
+
+def _estimate(cases: list, settings, device: torch.device) -> str:
+    """The run's expected time, from each case's matmul work at the rate this machine gives now.
+
+    A case runs about ten untimed calls per contender (warm-ups, the agreement check, memory
+    profiling), its cold repeats, and its warm repeats until ``max_case_s`` (past the minimum);
+    each sample lasts at least ``min_sample_s``. Training counts three times the forward's work.
+    """
+    rate = _matmul_rate(device)
+    total = 0.0
+    for case in cases:
+        batch, length, width, _ = case.shape
+        flops = 8 * batch * length * width * width + 4 * batch * length * length * width  # projections + attention
+        call = flops * (3 if case.trains else 1) / rate
+        repeat = 3 * max(call, settings.min_sample_s)  # one sample of each contender
+        warm = min(settings.repeats * repeat, max(settings.max_case_s, settings.min_repeats * repeat))
+        total += 3 * 10 * call + settings.cold_repeats * repeat + warm
+    return f"expected time: about {max(1, round(total / 60))} minute(s) for {len(cases)} cases at this machine's current speed"
 
 
 def _busy_machine_note(results: list[dict], busy: int) -> str | None:
@@ -222,10 +243,14 @@ def _busy_machine_note(results: list[dict], busy: int) -> str | None:
         return f"ran beside {busy} competing busy process{'es' if busy > 1 else ''} (--busy){load}"
     if not loads or max(loads) <= cores + 0.5:
         return None
-    return (
+    warning = (
         f"warning: the machine was busy (1-minute load up to {max(loads):.1f} on {cores} cores);\n"
-        "other processes shared the CPU, so spreads are wide and single cases may be off. Each op waits\n"
-        "for its slowest thread: --threads 1 gives ratios that reproduce from run to run on a busy CPU"
+        "other processes shared the CPU, so spreads are wide and single cases may be off"
+    )
+    if torch.get_num_threads() == 1:
+        return warning
+    return warning + (
+        ". Each op waits\nfor its slowest thread: --threads 1 gives ratios that reproduce from run to run on a busy CPU"
     )
 
 
@@ -265,8 +290,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         f"(torch {torch.__version__}, {torch.get_num_threads()} threads{busy})",
         flush=True,
     )
-    print(_estimate(cases, settings), flush=True)
     with competing_load(args.busy, args.busy_max_s), allocator_state("warm"):
+        print(_estimate(cases, settings, device), flush=True)  # at the speed the busy processes leave
         _run_cases(cases, device, args, payload, json_path)
 
     checks = evaluate_targets(payload["cases"], device.type)
