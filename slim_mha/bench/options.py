@@ -23,15 +23,17 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
 
 
-def add_timing_options(parser: argparse.ArgumentParser, *, repeats_help: str) -> None:
+def add_timing_options(parser: argparse.ArgumentParser, *, repeats_help: str, cold: bool = True) -> None:
+    """``--repeats`` and the rest; ``cold``: also ``--cold-repeats``, for commands that time both states."""
     parser.add_argument("--repeats", type=int, help=repeats_help)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per contender first (default: 2)")
-    parser.add_argument(
-        "--cold-repeats",
-        type=int,
-        default=5,
-        help="CPU: repeats with the allocator cold, for page faults per call (default: 5; 0: none)",
-    )
+    if cold:
+        parser.add_argument(
+            "--cold-repeats",
+            type=int,
+            default=5,
+            help="CPU: repeats with the allocator cold, for page faults per call (default: 5; 0: none)",
+        )
     parser.add_argument("--min-sample-ms", type=float, help="each timed sample lasts at least this long")
     parser.add_argument(
         "--max-case-s", type=float, help="stop repeating a case after this many seconds (minimum repeats first)"
@@ -53,7 +55,7 @@ def timing_settings(
 ) -> Settings:
     """The timing settings from the options, after checking them (one-line errors through ``parser``)."""
     for name, least in (("repeats", 1), ("warmup", 0), ("cold_repeats", 0), ("threads", 1)):
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None and value < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     repeats, min_repeats, min_sample_s, max_case_s = _SETTINGS[(device.type, full)]
@@ -65,5 +67,5 @@ def timing_settings(
         min_sample_s=args.min_sample_ms / 1e3 if args.min_sample_ms is not None else min_sample_s,
         max_case_s=args.max_case_s if args.max_case_s is not None else max_case_s,
         seed=args.seed,
-        cold_repeats=args.cold_repeats if device.type == "cpu" else 0,
+        cold_repeats=getattr(args, "cold_repeats", 0) if device.type == "cpu" else 0,
     )

@@ -3,7 +3,8 @@
 Above a size, slim computes averaged attention weights on CPU a few blocks of query rows at a time
 (``slim_mha/_explicit_attention.py``); one pass would hold the whole ``(B, H, L, S)`` scores at once.
 This times stock, slim in blocks and slim forced to one pass, interleaved, beside ``--busy`` busy
-processes, with the allocator warm, cold or as inherited (``allocator.py``). ``--min-sample-ms 0``
+processes, with the allocator warm, cold or as inherited (``allocator.py``); it prints the ratios
+of the medians and the paired per-repeat medians. ``--min-sample-ms 0``
 times single calls, as a plain loop would. It sets a private constant to force one pass: a measuring
 tool, not an API.
 """
@@ -21,10 +22,11 @@ from .. import _explicit_attention as explicit
 from ..attention import SlimMultiheadAttention
 from .allocator import allocator_state, prepare_cold_call
 from .cases import parse_shape
+from .contenders import output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
 from .report import write_json
-from .runner import _load_average, describe_environment
+from .runner import _load_average, _paired_ratio, describe_environment
 from .timing import measure
 
 __all__ = ["add_parser", "run"]
@@ -57,13 +59,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="warm",
         help="the C allocator's state while timing (default: warm; inherited: as the process left it)",
     )
-    add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)")
+    add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)", cold=False)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.set_defaults(handler=run, parser=parser)
     return parser
 
 
-def _contenders(shape: tuple[int, int, int, int], cold: bool) -> dict:
+def _contenders(shape: tuple[int, int, int, int], cold: bool) -> tuple[dict, dict[str, float]]:
+    """The three timed steps, and the relative error of slim's outputs (blocks, one pass) against stock's."""
     batch, length, width, heads = shape
     stock = nn.MultiheadAttention(width, heads, batch_first=True).eval()
     with torch.no_grad():
@@ -88,8 +91,19 @@ def _contenders(shape: tuple[int, int, int, int], cold: bool) -> dict:
         with torch.inference_mode():
             stock(x, x, x, need_weights=True)
 
+    def outputs(limit: int | None):
+        explicit._CPU_BLOCK_SCORES_BYTES = blocks if limit is None else limit
+        try:
+            with torch.inference_mode():
+                return (stock if limit is None else slim)(x, x, x, need_weights=True)
+        finally:
+            explicit._CPU_BLOCK_SCORES_BYTES = blocks
+
+    reference = outputs(None)
+    errors = {"blocks": output_error(reference, outputs(blocks)), "one pass": output_error(reference, outputs(_ONE_PASS))}
     reset = prepare_cold_call if cold else (lambda: None)
-    return {"stock": (stock_step, reset), "blocks": (slim_with(blocks), reset), "one pass": (slim_with(_ONE_PASS), reset)}
+    steps = {"stock": (stock_step, reset), "blocks": (slim_with(blocks), reset), "one pass": (slim_with(_ONE_PASS), reset)}
+    return steps, errors
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -111,22 +125,29 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with competing_load(args.busy, 1800), state:
         for shape in shapes:
             load_before = _load_average()
-            timings = measure(_contenders(shape, args.allocator == "cold"), device, settings)
+            steps, errors = _contenders(shape, args.allocator == "cold")
+            timings = measure(steps, device, settings)
             ms = {name: summary.median_ms for name, summary in timings.items()}
+            paired = {name: _paired_ratio(timings["stock"].samples_ms, timings[name].samples_ms)
+                      for name in ("blocks", "one pass")}
             results.append({
                 "shape": list(shape),
                 "median_ms": ms,
                 "faults_per_call": {name: summary.faults_per_call for name, summary in timings.items()},
+                "paired_stock_over": paired,
                 "samples_ms": {name: summary.samples_ms for name, summary in timings.items()},
                 "calls_per_sample": timings["stock"].calls_per_sample,
+                "relative_error": errors,
                 "load_average": [load_before, _load_average()],
             })
             print(
                 f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}, busy {args.busy}, allocator {args.allocator}: "
                 f"ms stock {ms['stock']:.1f}, blocks {ms['blocks']:.1f}, one pass {ms['one pass']:.1f}\n"
-                f"  stock/blocks {ms['stock'] / ms['blocks']:.2f}x, stock/one-pass {ms['stock'] / ms['one pass']:.2f}x"
-                f" (ratios of medians); faults/call stock {timings['stock'].faults_per_call:.0f}, blocks "
-                f"{timings['blocks'].faults_per_call:.0f}, one pass {timings['one pass'].faults_per_call:.0f}",
+                f"  stock/blocks {ms['stock'] / ms['blocks']:.2f}x (paired {paired['blocks']:.2f}x), stock/one-pass "
+                f"{ms['stock'] / ms['one pass']:.2f}x (paired {paired['one pass']:.2f}x)\n"
+                f"  faults/call stock {timings['stock'].faults_per_call:.0f}, blocks "
+                f"{timings['blocks'].faults_per_call:.0f}, one pass {timings['one pass'].faults_per_call:.0f}\n"
+                f"  relative error against stock: blocks {errors['blocks']:.1e}, one pass {errors['one pass']:.1e}",
                 flush=True,
             )
     if args.json:
