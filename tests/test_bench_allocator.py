@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import mmap
+import subprocess
+import sys
 
 import pytest
-import torch
 
 from slim_mha.bench import allocator
-from slim_mha.bench.timing import Settings, measure
 
 PAGE = mmap.PAGESIZE
 GLIBC = allocator.describe_allocator()["controlled"]
@@ -40,26 +41,33 @@ def test_touching_resident_pages_faults_nothing_new():
         mapping.close()
 
 
-def _allocating_step():
-    """A fresh 8 MiB tensor each call, written once: what a layer's activations do."""
-    def step() -> None:
-        torch.empty(2 << 20, dtype=torch.float32).fill_(1.0)
+_COLD_AND_WARM = """
+import json, torch
+from slim_mha.bench import allocator
+from slim_mha.bench.timing import Settings, measure
 
-    return step
+def step():  # a fresh 8 MiB tensor each call, written once: what a layer's activations do
+    torch.empty(2 << 20, dtype=torch.float32).fill_(1.0)
+
+settings = Settings(repeats=5, min_repeats=5, warmup=1, min_sample_s=0.0, max_case_s=10.0)
+with allocator.allocator_state("cold") as controlled:
+    cold = measure({"alloc": (step, allocator.prepare_cold_call)}, torch.device("cpu"), settings)["alloc"]
+with allocator.allocator_state("warm"):
+    settled_after = allocator.settle(step, lambda: None)
+    warm = measure({"alloc": (step, lambda: None)}, torch.device("cpu"), settings)["alloc"]
+print(json.dumps([controlled, cold.faults_per_call, warm.faults_per_call, settled_after]))
+"""
 
 
 @pytest.mark.skipif(not GLIBC, reason="the allocator states are set through glibc's mallopt")
 def test_cold_faults_every_call_and_warm_none():
-    settings = Settings(repeats=5, min_repeats=5, warmup=1, min_sample_s=0.0, max_case_s=10.0)
-    steps = {"alloc": (_allocating_step(), allocator.prepare_cold_call)}
-    with allocator.allocator_state("cold") as controlled:
-        cold = measure(steps, torch.device("cpu"), settings)["alloc"]
-    assert controlled
-    with allocator.allocator_state("warm"):  # the heap settles within a few calls: the warm-up's
-        warm_settings = Settings(repeats=5, min_repeats=5, warmup=allocator.WARM_UP_CALLS, min_sample_s=0.0)
-        warm = measure({"alloc": (_allocating_step(), lambda: None)}, torch.device("cpu"), warm_settings)["alloc"]
-    assert cold.faults_per_call >= (8 << 20) // PAGE // 2, cold.faults_per_call
-    assert warm.faults_per_call < 64, warm.faults_per_call
+    """In a fresh process, so that the heap's history is this script's alone."""
+    completed = subprocess.run([sys.executable, "-c", _COLD_AND_WARM], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    controlled, cold, warm, settled_after = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert controlled and settled_after < allocator.SETTLE_CALLS
+    assert cold >= (8 << 20) // PAGE // 2, cold
+    assert warm < 64, warm
 
 
 def test_the_json_describes_the_allocator():

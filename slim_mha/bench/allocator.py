@@ -9,10 +9,11 @@ sets the state itself, through ``mallopt``, and measures each state for what it 
 
 * **warm**: no buffer is mapped (``M_MMAP_MAX=0``) and freed memory is never given back
   (``M_TRIM_THRESHOLD`` at its maximum), so once the heap has grown to a call's needs every buffer
-  comes from pages the process already holds and a call faults no page. Aligned allocations move
-  up the heap for the first few calls before they settle, so the warm state gets at least
-  :data:`WARM_UP_CALLS` untimed calls. This is the steady state of a long-running job, and the
-  compute ratio is measured in it.
+  comes from pages the process already holds and a call faults no page. Aligned allocations can
+  land on free chunks whose pages were handed back earlier (by the cold state's ``malloc_trim``)
+  for a few calls before they settle, so :func:`settle` repeats a step untimed until a call faults
+  (almost) nothing, at most :data:`SETTLE_CALLS` times. This is the steady state of a
+  long-running job, and the compute ratio is measured in it.
 * **cold**: every buffer of 64 KiB or more gets a fresh mapping (``M_MMAP_THRESHOLD=65536``, as
   ``MALLOC_MMAP_THRESHOLD_=65536`` does), and before each call ``malloc_trim(0)`` hands back the
   free pages the heap still holds, so every call faults in all of its working memory. The minor page
@@ -31,14 +32,16 @@ import ctypes.util
 import os
 import resource
 from collections.abc import Iterator
+from typing import Callable
 
-__all__ = ["COLD", "WARM", "WARM_UP_CALLS", "allocator_state", "describe_allocator", "minor_faults", "prepare_cold_call"]
+__all__ = ["COLD", "SETTLE_CALLS", "WARM", "allocator_state", "describe_allocator", "minor_faults", "prepare_cold_call"]
 
 # mallopt's parameter numbers, from glibc's <malloc.h>.
 _PARAMETERS = {"M_TRIM_THRESHOLD": -1, "M_MMAP_THRESHOLD": -3, "M_MMAP_MAX": -4}
 _INT_MAX = 2**31 - 1  # mallopt takes an int
 WARM = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": _INT_MAX}
-WARM_UP_CALLS = 4
+SETTLE_CALLS = 40
+_SETTLED_FAULTS = 16  # pages a settled call may still fault (Python's own small allocations)
 # glibc's defaults for M_MMAP_MAX and M_TRIM_THRESHOLD; the mmap threshold pinned at 64 KiB.
 COLD = {"M_MMAP_MAX": 65536, "M_TRIM_THRESHOLD": 128 * 1024, "M_MMAP_THRESHOLD": 64 * 1024}
 
@@ -67,6 +70,18 @@ def _apply(settings: dict[str, int]) -> bool:
     if _GLIBC is None:
         return False
     return all(_GLIBC.mallopt(_PARAMETERS[name], value) == 1 for name, value in settings.items())
+
+
+def settle(step: Callable[[], None], reset: Callable[[], None]) -> int:
+    """Call ``step`` untimed until one call faults at most a few pages, at most :data:`SETTLE_CALLS`
+    times; returns the calls made."""
+    for calls in range(1, SETTLE_CALLS + 1):
+        reset()
+        before = minor_faults()
+        step()
+        if minor_faults() - before <= _SETTLED_FAULTS:
+            return calls
+    return SETTLE_CALLS
 
 
 def prepare_cold_call() -> None:

@@ -121,7 +121,7 @@ def _quick_cpu_cases(dtype: str) -> list[Case]:
 
 
 def _quick_cuda_cases(dtypes) -> list[Case]:
-    """Issue 7's matrix: both half dtypes, L 512-4096, two widths, train and inference, with and without weights."""
+    """The CUDA matrix: both half dtypes, L 512-4096, two widths, train and inference, with and without weights."""
     cases = [
         Case(*shape, "self", need_weights, mode, dtype)
         for dtype in dtypes

@@ -44,6 +44,7 @@ examples:
   python -m slim_mha.bench run --device cuda --dtype bf16 --json out/cuda.json
   python -m slim_mha.bench run --full --dry-run   # list the cases without running them
   python -m slim_mha.bench run --busy 2     # the quick run beside 2 busy processes (a shared CPU)
+  python -m slim_mha.bench run --threads 1  # ratios that reproduce when other processes share the CPU
   python -m slim_mha.bench run --targets    # also check the project's speed and memory targets
 """
 
@@ -232,7 +233,8 @@ def _estimate(cases: list, settings, device: torch.device) -> str:
         repeat = 3 * max(call, settings.min_sample_s)  # one sample of each contender
         warm = min(settings.repeats * repeat, max(settings.max_case_s, settings.min_repeats * repeat))
         total += 3 * 10 * call + settings.cold_repeats * repeat + warm
-    return f"expected time: about {max(1, round(total / 60))} minute(s) for {len(cases)} cases at this machine's current speed"
+    amount = f"{total:.0f} s" if total < 120 else f"{total / 60:.0f} minutes"
+    return f"expected time: about {amount} for {len(cases)} case(s) at this machine's current speed"
 
 
 def _busy_machine_note(results: list[dict], busy: int) -> str | None:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .. import __version__
-from .allocator import WARM_UP_CALLS, allocator_state, describe_allocator, prepare_cold_call
+from .allocator import allocator_state, describe_allocator, prepare_cold_call, settle
 from .cases import Case
 from .contenders import Contender, build_contenders, output_error
 from .memory import (
@@ -112,7 +112,9 @@ def time_interleaved(
                           for name, s in cold.items()}
         result["cold_ratios"] = {f"{a}_over_{b}": cold[a].median_ms / cold[b].median_ms for a, b in ratios}
     with allocator_state("warm") as controlled:
-        timings = measure(steps, device, replace(settings, warmup=max(settings.warmup, WARM_UP_CALLS)))
+        for step, reset in steps.values():
+            settle(step, reset)
+        timings = measure(steps, device, settings)
     result["allocator_controlled"] = controlled
     samples = {name: summary.samples_ms for name, summary in timings.items()}
     result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
