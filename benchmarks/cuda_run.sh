@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7: the whole GPU check in one call, under 5 minutes, no network.
+# The whole GPU check in one call, under 5 minutes, no network.
 #
 #   On a lent GPU (device tool, repository root; results come back from $OUT):
 #       bash benchmarks/cuda_run.sh
@@ -10,7 +10,7 @@
 #   1. environment: nvidia-smi, python and torch versions            -> $OUT/env.txt
 #   2. correctness: slim vs stock over the core matrix, fp32 and bf16 -> $OUT/correctness.{txt,json}
 #   3. benchmark: bf16+fp16, L 512-4096, E=768/H=12 and E=1024/H=16,
-#      inference and training, need_weights both (issue 7's matrix)  -> $OUT/cuda_bench.{txt,json,png}
+#      inference and training, need_weights both (the CUDA matrix)  -> $OUT/cuda_bench.{txt,json,png}
 # The benchmark writes its JSON after every case, so a timeout still leaves the cases it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ else
     bench_args=(--device cpu --dtype bf16 --shape 2x32x64x4 --mode inference,train --repeats 2 --warmup 1)
     correctness_limit=60
     bench_limit=120
-    "$PYTHON" -m slim_mha.bench --device cpu --matrix cuda --dry-run >"$OUT/cuda_matrix.txt" || status=1
+    "$PYTHON" -m slim_mha.bench run --device cpu --matrix cuda --dry-run >"$OUT/cuda_matrix.txt" || status=1
     head -n 1 "$OUT/cuda_matrix.txt"
 fi
 
@@ -52,7 +52,7 @@ timeout "$correctness_limit" "$PYTHON" -m slim_mha.bench.correctness "${correctn
 head -n 40 "$OUT/correctness.txt"
 
 echo "== benchmark (${bench_args[*]})"
-timeout "$bench_limit" "$PYTHON" -m slim_mha.bench "${bench_args[@]}" \
+timeout "$bench_limit" "$PYTHON" -m slim_mha.bench run "${bench_args[@]}" \
     --json "$OUT/cuda_bench.json" --plot "$OUT/cuda_speedup.png" >"$OUT/cuda_bench.txt" 2>"$OUT/cuda_bench.log" || status=1
 cat "$OUT/cuda_bench.txt"
 tail -n 5 "$OUT/cuda_bench.log"

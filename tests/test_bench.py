@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
 import pytest
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench import correctness, report
+from slim_mha.bench import correctness, detr_command, report, run_command, scale_command, weights_command
 from slim_mha.bench.load import competing_load
 from slim_mha.bench.cases import TARGET_SHAPES, build_matrix
 
@@ -34,6 +35,17 @@ def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
         for timing in result["time"].values():
             assert len(timing["samples_ms"]) == 2 and timing["median_ms"] > 0
         assert set(result["ratios"]) == {"stock_over_slim", "slim_over_floor", "stock_over_floor"}
+        # the ratio printed beside the ms columns is the ratio of those medians
+        times = result["time"]
+        assert result["ratios"]["stock_over_slim"] == times["stock"]["median_ms"] / times["slim"]["median_ms"]
+        paired = result["paired_ratios"]["stock_over_slim"]
+        samples = [a / b for a, b in zip(times["stock"]["samples_ms"], times["slim"]["samples_ms"])]
+        assert paired["median"] == statistics.median(samples)
+        # page faults per call for every contender, with the allocator warm and cold
+        assert set(result["cold"]) == set(times) == {"stock", "slim", "floor"}
+        for name in times:
+            assert times[name]["faults_per_call"] >= 0 and result["cold"][name]["faults_per_call"] >= 0
+            assert result["cold"][name]["median_ms"] > 0
         slim_memory = result["memory"]["slim"]
         assert slim_memory["parameter_bytes"] < result["memory"]["stock"]["parameter_bytes"]  # no key bias
         assert slim_memory["adam_state_bytes"] > 0
@@ -42,7 +54,14 @@ def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
     assert "native fast path" in stock_paths  # eval self-attention must hit stock's fast path
     assert {check["target"].split(":")[0] for check in payload["targets"]} >= {"every case"}
 
+    allocator = payload["environment"]["allocator"]
+    assert set(allocator) >= {"library", "controlled", "environment"}
+    if allocator["controlled"]:  # glibc: the settings of both states are recorded
+        assert allocator["warm"] == {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+        assert allocator["cold"]["M_MMAP_THRESHOLD"] == 65536 and allocator["cold"]["malloc_trim_before_each_call"]
+        assert all(result["allocator_controlled"] for result in payload["cases"])
     assert "stock/slim" in out and "slim/floor" in out and "Targets:" not in out  # targets: --targets only
+    assert "expected time: about" in out and " for 8 case(s) at this machine's current speed" in out
     assert "train  " in out and "cross" in out
     markdown = (tmp_path / "bench.md").read_text()  # the full table goes next to the JSON
     assert "| floor ms |" in markdown and "Targets:" in markdown
@@ -56,7 +75,7 @@ def test_output_fits_120_columns_without_profiler_chatter(capfd, tmp_path):
     lines = (out + err).splitlines()
     assert not [line for line in lines if "USDT" in line or "profiler_st" in line]
     assert [line for line in lines if len(line) > 120] == []
-    assert "Targets:" in out and "why: " in out
+    assert "Targets:" in out and "why: " in out and "issue" not in out.lower()
     payload = json.loads(path.read_text())
     largest = max(result["relative_error"]["slim"] for result in payload["cases"])
     agreement = next(line for line in out.splitlines() if line.startswith("agreement:"))
@@ -75,8 +94,10 @@ def test_table_fits_120_columns_at_the_widest_case():
             "agrees": False,
             "time": {name: timing for name in ("stock", "slim", "floor")},
             "ratios": {"stock_over_slim": 111.27, "slim_over_floor": 10.5, "stock_over_floor": 1.0},
-            "ratio_spread": {"stock_over_slim": [78.48, 144.06]},
-            "memory": {name: {"peak_bytes": 123456 * 2**20} for name in ("stock", "slim", "floor")},
+            "paired_ratios": {"stock_over_slim": {"median": 101.2, "quartiles": [78.48, 144.06]}},
+            "cold": {name: {"median_ms": 23456.7, "faults_per_call": 1234567.0} for name in ("stock", "slim")},
+            "cold_ratios": {"stock_over_slim": 111.27},
+            "memory": {name: {"peak_bytes": 12345 * 2**20} for name in ("stock", "slim", "floor")},
         }
         for dtype in ("bf16", "fp16")
     ]
@@ -135,7 +156,7 @@ def test_busy_run_records_the_load_and_says_so(capsys, tmp_path):
 
 
 def test_missing_equivariance_mode_is_skipped_with_a_note(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "equivariance_support", lambda: "train-equivariance skipped: not in this build")
+    monkeypatch.setattr(run_command, "equivariance_support", lambda: "train-equivariance skipped: not in this build")
     payload, out = run_bench(capsys, tmp_path, "--mode", "train,train-equivariance", "--attention", "self",
                              "--need-weights", "false", "--no-plot")
     assert [result["case"]["mode"] for result in payload["cases"]] == ["train"]
@@ -195,3 +216,73 @@ def test_correctness_check_fails_on_a_wrong_module(capsys, monkeypatch):
     monkeypatch.setattr(correctness, "_modules", broken)
     assert correctness.main(["--device", "cpu", "--sweep", "0", "--limit", "3"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, handler",
+    [
+        ([], run_command.run),
+        (["--busy", "2"], run_command.run),
+        (["run", "--full"], run_command.run),
+        (["scale", "--dry-run"], scale_command.run),
+        (["detr"], detr_command.run),
+        (["weights"], weights_command.run),
+    ],
+)
+def test_subcommands_are_wired_and_the_bare_command_runs_the_matrix(argv, handler):
+    assert bench.build_parser().parse_args(argv).handler is handler
+
+
+def test_run_options_before_the_subcommand_are_kept():
+    args = bench.build_parser().parse_args(["--busy", "2", "run", "--full"])
+    assert (args.busy, args.full, args.repeats) == (2, True, None)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["scale"], ["detr"], ["weights"]])
+def test_every_help_fits_120_columns_and_names_no_issue(capsys, command):
+    with pytest.raises(SystemExit):
+        bench.main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if len(line) >= 120] == []
+    assert "issue" not in out.lower() and "examples:" in out
+
+
+def test_the_old_flags_are_not_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--scale"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --scale" in capsys.readouterr().err
+
+
+def test_weights_command_times_blocks_and_one_pass_and_restores_the_limit(capsys, tmp_path):
+    from slim_mha import _explicit_attention as explicit
+
+    limit = explicit._CPU_BLOCK_SCORES_BYTES
+    path = tmp_path / "weights.json"
+    argv = ["weights", "--shape", "2x16x32x4", "--repeats", "2", "--warmup", "1", "--min-sample-ms", "0",
+            "--json", str(path)]
+    assert bench.main(argv) == 0
+    assert explicit._CPU_BLOCK_SCORES_BYTES == limit
+    out = capsys.readouterr().out
+    assert "stock/blocks" in out and "stock/one-pass" in out
+    assert [line for line in out.splitlines() if len(line) >= 120] == []
+    result = json.loads(path.read_text())["results"][0]
+    assert set(result["median_ms"]) == set(result["faults_per_call"]) == {"stock", "blocks", "one pass"}
+    assert max(result["relative_error"].values()) < 1e-4  # both slim paths compute what stock does
+
+
+def test_memory_axis_ticks_are_plain_mib():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    axis.bar([0, 1], [0.5, 60.0])
+    axis.set_yscale("log")
+    report.plain_mib_ticks(axis.yaxis)
+    axis.set_ylim(0.3, 100)
+    figure.canvas.draw()
+    labels = {label.get_text() for label in axis.get_yticklabels() if label.get_text()}
+    plt.close(figure)
+    assert {"0.5", "1", "2", "5", "10", "20", "50", "100"} <= labels
+    assert not any("10^" in label or "times" in label or "×" in label for label in labels), labels

@@ -6,6 +6,7 @@ processes (a few seconds each) because recording a child's failure is the point.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -21,8 +22,8 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _memory_guard as guard
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench import scale
-from slim_mha.bench.scale import Series, Settings
+from slim_mha.bench import scale_child, scale_report, scale_sweep
+from slim_mha.bench.scale_cases import Series, Settings
 
 POINT_CLOUD = {"shape": "point-cloud", "embed_dim": 64, "num_heads": 4}
 STOCK_INFERENCE = Series("stock", **POINT_CLOUD, mode="inference", padding_mask=False)
@@ -268,7 +269,7 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
     """Under a 160 MiB cap, stock's fast path needs 256 MiB of scores at N=4096: its child records
     the allocator's failure, its curve stops there, and slim's curve (linear memory) goes on."""
     settings = Settings(memory_cap_bytes=160 << 20, case_timeout_s=240, budget_s=600, case_budget_s=100)
-    result = scale.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE], [4096, 4100], settings)
+    result = scale_sweep.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE], [4096, 4100], settings)
     by_case = {(record["name"], record["tokens"]): record for record in result["cases"]}
     oom = by_case[("stock point-cloud inference", 4096)]
     assert oom["status"] == "oom", oom
@@ -284,10 +285,10 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
     assert by_case[("slim point-cloud inference", 4096)]["stock_path"] is None
     assert result["stops"] == {"stock point-cloud inference": "OOM at N=4,096"}
 
-    payload = {"command": "test", "settings": scale.asdict(settings), "cases": result["cases"], "stops": result["stops"],
+    payload = {"command": "test", "settings": dataclasses.asdict(settings), "cases": result["cases"], "stops": result["stops"],
                "environment": {"device_name": "cpu", "cpu_count": 2, "torch_threads": 2, "torch": "x", "date": "d"},
                "load_before": None, "load_after": None, "elapsed_s": result["elapsed_s"]}
-    markdown = scale.format_markdown(payload)
+    markdown = scale_report.format_markdown(payload)
     assert "| 4,096 | **OOM** |" in markdown
     assert "* stock point-cloud inference: none (OOM at N=4,096)" in markdown
     assert "* slim point-cloud inference: 4,100 (ran every N)" in markdown
@@ -297,7 +298,7 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
 
 
 def test_a_child_past_its_timeout_is_killed_and_recorded():
-    record = scale._run_child(SLIM_INFERENCE, 64, Settings(case_timeout_s=0.5))
+    record = scale_sweep._run_child(SLIM_INFERENCE, 64, Settings(case_timeout_s=0.5))
     assert record["status"] == "timeout" and "killed" in record["detail"]
 
 
@@ -316,7 +317,7 @@ def fake_case(seconds_per_token_squared: float, fail_at: int | None = None):
 def test_curves_stop_on_failure_case_budget_and_extrapolation():
     run_case, calls = fake_case(1e-6, fail_at=2000)  # 1k tokens: 1 s, 2k: 4 s, 4k: 16 s
     settings = Settings(case_budget_s=10, budget_s=1000)
-    result = scale.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE], [1000, 2000, 3000, 4000], settings, run_case=run_case)
+    result = scale_sweep.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE], [1000, 2000, 3000, 4000], settings, run_case=run_case)
     assert calls == [("stock", 1000), ("slim", 1000), ("stock", 2000), ("slim", 2000), ("slim", 3000)]
     assert result["stops"] == {
         "stock point-cloud inference": "killed at N=2,000",
@@ -326,12 +327,12 @@ def test_curves_stop_on_failure_case_budget_and_extrapolation():
     assert ("stock", 3000, "skipped") in statuses and ("slim", 4000, "skipped") in statuses
 
     run_case, calls = fake_case(1e-5)  # a call over the case budget stops its curve after it
-    result = scale.run_sweep([SLIM_INFERENCE], [1000, 1100], Settings(case_budget_s=5), run_case=run_case)
+    result = scale_sweep.run_sweep([SLIM_INFERENCE], [1000, 1100], Settings(case_budget_s=5), run_case=run_case)
     assert calls == [("slim", 1000)]
     assert result["stops"] == {"slim point-cloud inference": "stopped after N=1,000: it took 10 s > case budget 5 s"}
 
     run_case, calls = fake_case(1e-6)  # one point predicts nothing: 1k took 1 s, 8k (64 s if quadratic) runs
-    scale.run_sweep([SLIM_INFERENCE], [1000, 8000], Settings(case_budget_s=10), run_case=run_case)
+    scale_sweep.run_sweep([SLIM_INFERENCE], [1000, 8000], Settings(case_budget_s=10), run_case=run_case)
     assert calls == [("slim", 1000), ("slim", 8000)]
 
 
@@ -346,7 +347,7 @@ def test_a_case_expected_to_exceed_the_memory_cap_runs_to_record_its_oom():
         return {"status": "ok", "time_s": tokens * tokens * 1e-6, "peak_bytes": tokens * tokens}
 
     settings = Settings(case_budget_s=10, memory_cap_bytes=5_000_000)
-    result = scale.run_sweep([STOCK_INFERENCE], [1000, 2000, 4000], settings, run_case=run_case)
+    result = scale_sweep.run_sweep([STOCK_INFERENCE], [1000, 2000, 4000], settings, run_case=run_case)
     assert calls == [1000, 2000, 4000]  # 4000 is extrapolated to 16 s, but to 16 MB > the 5 MB cap
     assert result["cases"][-1]["status"] == "oom"
     assert result["stops"] == {"stock point-cloud inference": "OOM at N=4,000"}
@@ -357,8 +358,8 @@ def test_memory_is_extrapolated_quadratically_even_where_fixed_costs_flatten_it(
     9.5 GiB at 32k; its N x N scores need 16 GiB there. The upper bound, 16.1 GiB, exceeds a 10 GiB cap."""
     measured = [{"tokens": 1024, "time_s": 0.45, "peak_bytes": 36 << 20}, {"tokens": 8192, "time_s": 11.9, "peak_bytes": 1031 << 20}]
     settings = Settings(case_budget_s=30, memory_cap_bytes=10 << 30)
-    assert scale._over_time_budget(measured, 32768, settings) is None  # run it: it is expected to fail at once
-    assert scale._over_time_budget(measured, 32768, Settings(case_budget_s=30, memory_cap_bytes=20 << 30)) == (
+    assert scale_sweep._over_time_budget(measured, 32768, settings) is None  # run it: it is expected to fail at once
+    assert scale_sweep._over_time_budget(measured, 32768, Settings(case_budget_s=30, memory_cap_bytes=20 << 30)) == (
         "stopped before N=32,768: extrapolated 106 s > case budget 30 s"
     )
 
@@ -366,33 +367,33 @@ def test_memory_is_extrapolated_quadratically_even_where_fixed_costs_flatten_it(
 def test_leading_curves_run_over_every_n_first():
     run_case, calls = fake_case(1e-9)
     masked = Series("slim", **POINT_CLOUD, mode="inference", padding_mask=True)
-    scale.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE, masked], [10, 20], Settings(), lead=2, run_case=run_case)
+    scale_sweep.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE, masked], [10, 20], Settings(), lead=2, run_case=run_case)
     assert calls == [("stock", 10), ("slim", 10), ("stock", 20), ("slim", 20), ("slim", 10), ("slim", 20)]
 
 
 def test_sweep_budget_leaves_later_cases_unrun(monkeypatch):
     clock = iter([0.0, 1.0, 12.0, 13.0])  # the start, then before each case, then the end
-    monkeypatch.setattr(scale.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(scale_sweep.time, "perf_counter", lambda: next(clock))
     run_case, calls = fake_case(1e-9)
-    result = scale.run_sweep([SLIM_INFERENCE], [100, 200], Settings(budget_s=10.0), run_case=run_case)
+    result = scale_sweep.run_sweep([SLIM_INFERENCE], [100, 200], Settings(budget_s=10.0), run_case=run_case)
     assert calls == [("slim", 100)]
     assert result["cases"][1]["detail"] == "not run: the sweep budget of 10 s was spent"
 
 
 def test_extrapolation_uses_the_last_slope_between_one_and_two():
-    assert scale._extrapolated([], 10) is None
-    assert scale._extrapolated([(10, 1.0)], 20) == pytest.approx(4.0)  # one point: quadratic
-    assert scale._extrapolated([(10, 1.0), (20, 2.0)], 40) == pytest.approx(4.0)  # linear so far
-    assert scale._extrapolated([(10, 1.0), (20, 1.0)], 40) == pytest.approx(2.0)  # flat: at least linear
-    assert scale._extrapolated([(10, 1.0), (20, 8.0)], 40) == pytest.approx(32.0)  # steeper: at most N²
+    assert scale_sweep._extrapolated([], 10) is None
+    assert scale_sweep._extrapolated([(10, 1.0)], 20) == pytest.approx(4.0)  # one point: quadratic
+    assert scale_sweep._extrapolated([(10, 1.0), (20, 2.0)], 40) == pytest.approx(4.0)  # linear so far
+    assert scale_sweep._extrapolated([(10, 1.0), (20, 1.0)], 40) == pytest.approx(2.0)  # flat: at least linear
+    assert scale_sweep._extrapolated([(10, 1.0), (20, 8.0)], 40) == pytest.approx(32.0)  # steeper: at most N²
 
 
 def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monkeypatch):
     """The real entry point through argv, with its cases measured in this process (the child
     processes are tested above): wiring, JSON, Markdown and the plot."""
-    monkeypatch.setattr(scale, "_run_child", lambda series, tokens, settings: scale.measure_case(series, tokens, settings))
+    monkeypatch.setattr(scale_sweep, "_run_child", scale_child.measure_case)
     path = tmp_path / "scale.json"
-    argv = ["--scale", "--tokens", "64", "--shape", "point-cloud", "--mode", "inference",
+    argv = ["scale", "--tokens", "64", "--shape", "point-cloud", "--mode", "inference",
             "--padding-mask", "with", "--no-memory-cap", "--json", str(path)]
     if importlib.util.find_spec("matplotlib") is None:
         argv.append("--no-plot")
@@ -403,15 +404,20 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
         ("stock point-cloud inference +mask", 64, "ok"), ("slim point-cloud inference +mask", 64, "ok"),
     ]
     assert payload["cases"][0]["stock_path"] == "native fast path"  # the path that holds N x N scores
+    for record in payload["cases"]:  # one fault count per timed call
+        assert len(record["faults_per_call"]) == len(record["times_s"]) and min(record["faults_per_call"]) >= 0
     markdown = path.with_suffix(".md").read_text()
     assert "**point-cloud (E=64, H=4), inference**" in markdown
     assert "| N | stock, padding mask | slim, padding mask |" in markdown
     stock_peak, slim_peak = (payload["cases"][i]["peak_bytes"] for i in (0, 1))
-    assert f"* point-cloud inference +mask, N=64: stock +{scale._mib(stock_peak)}, slim +{scale._mib(slim_peak)}" in markdown
+    assert f"* point-cloud inference +mask, N=64: stock +{scale_report.format_mib(stock_peak)}, slim +{scale_report.format_mib(slim_peak)}" in markdown
     if "--no-plot" not in argv:
         assert path.with_suffix(".png").stat().st_size > 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "results written to" in out and "slim point-cloud inference +mask" in out
+    assert "expected time: at most about 5 minutes" in out  # said before the sweep starts
+    assert [line for line in (out + captured.err).splitlines() if len(line) >= 120] == []
 
 
 @pytest.mark.parametrize(
@@ -425,13 +431,13 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
 )
 def test_scale_cli_errors_are_one_line_without_traceback(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
-        bench.main(["--scale", *argv])
+        bench.main(["scale", *argv])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_dry_run_lists_the_curves(capsys):
-    assert bench.main(["--scale", "--dry-run", "--device", "cpu", "--memory-cap", "2GiB"]) == 0
+    assert bench.main(["scale", "--dry-run", "--device", "cpu", "--memory-cap", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("16 curves x 4 token counts on cpu (memory cap 2,048 MiB):")
     assert "  slim transformer train +mask: N = 1,024, 8,192, 32,768, 100,000" in out

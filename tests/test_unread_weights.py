@@ -803,11 +803,3 @@ def test_the_detr_benchmark_measures_what_it_claims():
         assert max(result["relative_error"].values()) < 1e-5
     table = format_detr(payload)
     assert "| inference |" in table and "| train-no-dropout |" in table
-
-
-def test_the_detr_flag_refuses_matrix_options(capsys):
-    from slim_mha.bench.__main__ import main
-
-    with pytest.raises(SystemExit):
-        main(["--detr", "--mode", "train"])
-    assert "error: --detr runs one fixed case: drop --mode" in capsys.readouterr().err

@@ -23,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("inference", "train", "train-equivariance")
 ATTENTIONS = ("self", "cross")
 
-# (batch, seq_len, embed_dim, num_heads) named by issue 6's CPU targets.
+# (batch, seq_len, embed_dim, num_heads) named by the project's CPU targets.
 TARGET_SHAPES = ((8, 128, 256, 8), (4, 512, 512, 8))
 
 # The sweeps behind the speed-up plot. Batch follows the sequence length so that every case holds
@@ -121,7 +121,7 @@ def _quick_cpu_cases(dtype: str) -> list[Case]:
 
 
 def _quick_cuda_cases(dtypes) -> list[Case]:
-    """Issue 7's matrix: both half dtypes, L 512-4096, two widths, train and inference, with and without weights."""
+    """The CUDA matrix: both half dtypes, L 512-4096, two widths, train and inference, with and without weights."""
     cases = [
         Case(*shape, "self", need_weights, mode, dtype)
         for dtype in dtypes

@@ -1,6 +1,6 @@
 """Slim against stock on one device, over the core configuration matrix: ``python -m slim_mha.bench.correctness``.
 
-Written for a lent GPU (issue 7), where the unit tests do not run; it runs on CPU too. Each
+Written for a lent GPU, where the unit tests do not run; it runs on CPU too. Each
 configuration builds stock with every parameter random (so the key bias is non-zero), loads slim
 from it, and runs both on the same inputs, plus stock in float64 on the same (rounded) weights as
 the reference. It compares the output, the attention weights and, in training, the gradients of the

@@ -1,4 +1,4 @@
-"""DETR's decoder layer with ``skip_unread_weights`` off and on: ``python -m slim_mha.bench --detr``.
+"""DETR's decoder layer with ``skip_unread_weights`` off and on: ``python -m slim_mha.bench detr``.
 
 DETR (and the detectors built on it) call both attention modules of every decoder layer with the
 default ``need_weights=True`` and keep only ``[0]``. :class:`DetrStyleDecoderLayer` makes those calls
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,7 +35,7 @@ from .report import _mib, _ratio
 from .runner import _load_average, describe_environment, measure_step_memory, time_interleaved
 from .timing import Settings
 
-__all__ = ["DetrStyleDecoderLayer", "DetrShape", "explicit_softmax_calls", "run_detr", "format_detr"]
+__all__ = ["DetrStyleDecoderLayer", "DetrShape", "explicit_softmax_calls", "format_detr", "format_detr_lines", "run_detr"]
 
 CONTENDERS = ("stock", "slim", "slim_skip")
 MODES = ("inference", "train", "train-no-dropout")
@@ -140,8 +141,6 @@ def explicit_softmax_calls(step: Callable[[], None]) -> int:
     The weights path is the only place a layer calls softmax itself; SDPA's math fallback (CPU
     training with dropout) runs one inside the SDPA op, which materialises no weights for the caller.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     with _profiler_chatter_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiler:
         step()
     count = 0
@@ -263,4 +262,37 @@ def format_detr(payload: dict) -> str:
     if loads:
         cores = payload["settings"]["cpu_count"]
         lines += ["", f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {cores} cores"]
+    return "\n".join(lines)
+
+
+def format_detr_lines(payload: dict) -> str:
+    """The same results for a terminal: a few short lines per mode instead of one wide table row."""
+    shape = payload["shape"]
+    lines = [
+        f"DETR decoder layer: L={shape['queries']} queries, S={shape['memory']} memory tokens, "
+        f"E={shape['embed_dim']}, H={shape['heads']}, B={shape['batch']}, FF={shape['feedforward']}, fp32",
+        "ms: medians with the allocator warm; ratios: of those medians (paired: per-repeat median, quartiles)",
+    ]
+    for result in payload["modes"]:
+        times, memory = result["time"], result["memory"]
+        mode = result["mode"] + (f" (attn dropout {result['attention_dropout']})" if result["mode"] == "train" else "")
+        lines += [
+            "",
+            f"{mode}:",
+            "  ms stock / slim / slim_skip:    "
+            + " / ".join(f"{times[name]['median_ms']:.2f}" for name in CONTENDERS),
+            f"  slim/slim_skip:  {_ratio(result, 'slim_over_slim_skip')}",
+            f"  stock/slim_skip: {_ratio(result, 'stock_over_slim_skip')}",
+            "  peak MiB stock / slim / skip:  "
+            + " / ".join(_mib(memory[name]["peak_bytes"]).strip() for name in CONTENDERS),
+            "  saved MiB stock / slim / skip: "
+            + " / ".join(_mib(memory[name]["saved_bytes"]).strip() for name in CONTENDERS),
+            "  explicit softmax calls:        "
+            + " / ".join(str(memory[name]["explicit_softmax_calls"]) for name in CONTENDERS),
+            f"  relative error slim / skip:    {result['relative_error']['slim']:.1e} / "
+            f"{result['relative_error']['slim_skip']:.1e}",
+        ]
+    loads = [load for result in payload["modes"] for load in result["load_average"] if load is not None]
+    if loads:
+        lines += ["", f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {payload['settings']['cpu_count']} cores"]
     return "\n".join(lines)

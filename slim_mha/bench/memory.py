@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch import Tensor
 
 __all__ = [
@@ -119,8 +120,6 @@ class StepProfile:
 
 def profile_step(step: Callable[[], None], device: torch.device) -> StepProfile:
     """Run ``step`` once under the profiler (CPU activity: it names aten ops on either device)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -170,8 +169,6 @@ def adam_state_bytes(parameters: list[Tensor]) -> int:
 
 def top_ops(step: Callable[[], None], reset: Callable[[], None], *, steps: int = 3, limit: int = 8) -> list[dict]:
     """The ops with the most self time over ``steps`` profiled steps, per step (ms and calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)

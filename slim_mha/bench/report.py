@@ -16,6 +16,8 @@ __all__ = [
     "format_summary",
     "format_table",
     "format_targets",
+    "paired_ratio",
+    "plain_mib_ticks",
     "plot_speedup",
     "write_json",
 ]
@@ -53,10 +55,13 @@ def _ms(summary: dict) -> str:
 
 
 def _ratio(result: dict, key: str) -> str:
-    """Median of the per-repeat ratios and their quartiles: ``1.45x (1.31-1.60)``."""
-    low, high = result.get("ratio_spread", {}).get(key, (None, None))
-    spread = f" ({low:.2f}-{high:.2f})" if low is not None else ""
-    return f"{result['ratios'][key]:.2f}x{spread}"
+    """The ratio of the medians, then the per-repeat paired median and its quartiles when recorded:
+    ``1.02x (paired 1.03x, 0.97-1.08)``."""
+    paired = result.get("paired_ratios", {}).get(key)
+    if paired is None:
+        return f"{result['ratios'][key]:.2f}x"
+    low, high = paired["quartiles"]
+    return f"{result['ratios'][key]:.2f}x (paired {paired['median']:.2f}x, {low:.2f}-{high:.2f})"
 
 
 def _mib(value: int | None) -> str:
@@ -78,31 +83,49 @@ def _compact(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
+def _count(value: float) -> str:
+    """At most four characters: 812, 2.8k, 17k, 1.2M."""
+    if value < 1000:
+        return f"{value:.0f}"
+    if value < 1e6:
+        return f"{value / 1e3:.1f}k" if value < 1e4 else f"{value / 1e3:.0f}k"
+    return f"{value / 1e6:.1f}M"
+
+
+def paired_ratio(result: dict, key: str = "stock_over_slim") -> float:
+    """The median over repeats of the ratio within one repeat; the ratio of medians where not recorded."""
+    paired = result.get("paired_ratios", {}).get(key)
+    return result["ratios"][key] if paired is None else paired["median"]
+
+
 def format_table(results: list[dict]) -> str:
-    """One row per case, at most 120 columns: the full table (floor times, spreads, saved memory) is
-    in the markdown and JSON files."""
+    """One row per case, under 120 columns: the full table (floor times, quartiles, cold times, saved
+    memory) is in the markdown and JSON files."""
     dtypes = sorted({result["case"]["dtype"] for result in results})
     labels = [_case_label(result["case"], dtype=len(dtypes) > 1) for result in results]
     width = max([len(label) for label in labels] + [len("case (fp32)")])
     case_header = "case" if len(dtypes) != 1 else f"case ({dtypes[0]})"
     header = (
-        f"{case_header:<{width}} {'stock ms':>9} {'slim ms':>9}  {'stock/slim (IQR)':<17} {'slim/floor':>10}"
-        f" {'peak MiB stock/slim':>19}"
+        f"{case_header:<{width}} {'stock ms':>8} {'slim ms':>8} {'stock/slim':>10} {'paired':>6} {'slim/floor':>10}"
+        f" {'faults':>9} {'peak MiB':>11}"
     )
     lines = [header, "-" * len(header)]
     for label, result in zip(labels, results):
-        time, memory, ratios = result["time"], result["memory"], result["ratios"]
-        low, high = result.get("ratio_spread", {}).get("stock_over_slim") or (None, None)
-        spread = f" ({_compact(low)}-{_compact(high)})" if low is not None else ""
-        peak = " / ".join(_compact(memory[name]["peak_bytes"] / _MIB) for name in ("stock", "slim"))
+        time, memory, ratios, cold = result["time"], result["memory"], result["ratios"], result.get("cold")
+        faults = "/".join(_count(cold[name]["faults_per_call"]) for name in ("stock", "slim")) if cold else "-"
+        peak = "/".join(_compact(memory[name]["peak_bytes"] / _MIB) for name in ("stock", "slim"))
         lines.append(
-            f"{label:<{width}} {time['stock']['median_ms']:>9.2f} {time['slim']['median_ms']:>9.2f}  "
-            f"{_compact(ratios['stock_over_slim']) + 'x' + spread:<17} {_compact(ratios['slim_over_floor']):>9}x"
-            f" {peak:>19}{'' if result['agrees'] else ' *'}"
+            f"{label:<{width}} {time['stock']['median_ms']:>8.2f} {time['slim']['median_ms']:>8.2f}"
+            f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
+            f" {_compact(ratios['slim_over_floor']) + 'x':>10} {faults:>9} {peak:>11}{'' if result['agrees'] else ' *'}"
         )
     lines.append(
-        "w: need_weights=True; train+eq: train-equivariance. stock/slim above 1: slim is faster (median of the\n"
-        "per-repeat ratios, quartiles in brackets). slim/floor: slim's time over the bare matmul + attention + matmul."
+        "w: need_weights=True; train+eq: train-equivariance (slim with its equivariance check on).\n"
+        "Allocator warm (buffers reused, no page faulted per call). ms: medians. stock/slim: the ratio of\n"
+        "those medians, above 1 slim is faster. paired: the median over repeats of stock/slim within one\n"
+        "repeat (the two ran back to back, so bursts of load cancel). slim/floor: slim over the bare\n"
+        "matmul + attention + matmul. faults: minor page faults per call of stock/slim with the allocator\n"
+        "cold (every call maps its memory anew); cold times are in the markdown. peak MiB: stock/slim."
     )
     if not all(result["agrees"] for result in results):
         lines.append("* MISMATCH: slim's output differs from stock's by more than the dtype's tolerance")
@@ -116,14 +139,23 @@ def format_summary(results: list[dict]) -> str:
     plain = [result for result in results if result["case"]["mode"] != "train-equivariance"]
     lines = []
     if plain:
-        ratios = sorted(result["ratios"]["stock_over_slim"] for result in plain)
-        slowest = min(plain, key=lambda result: result["ratios"]["stock_over_slim"])
+        ratios = sorted(paired_ratio(result) for result in plain)
+        slowest = min(plain, key=paired_ratio)
         lines.append(
-            f"speed: stock/slim {_compact(ratios[0])}x to {_compact(ratios[-1])}x over {len(plain)} cases, "
-            f"{sum(ratio < 0.97 for ratio in ratios)} below 0.97x; slowest: {' '.join(_case_label(slowest['case']).split())}"
+            f"speed (allocator warm, paired): stock/slim {_compact(ratios[0])}x to {_compact(ratios[-1])}x over "
+            f"{len(plain)} cases, {sum(ratio < 0.97 for ratio in ratios)} below 0.97x"
         )
+        lines.append(f"slowest: {' '.join(_case_label(slowest['case']).split())}")
+        cold = [result for result in plain if result.get("cold")]
+        if cold:
+            fewer = sum(r["cold"]["slim"]["faults_per_call"] <= r["cold"]["stock"]["faults_per_call"] for r in cold)
+            cold_ratios = sorted(result["cold_ratios"]["stock_over_slim"] for result in cold)
+            lines.append(
+                f"allocator cold: stock/slim {_compact(cold_ratios[0])}x to {_compact(cold_ratios[-1])}x; "
+                f"slim faults no more pages per call than stock in {fewer}/{len(cold)} cases"
+            )
         if len(plain) < len(results):
-            lines.append("(train+eq cases time slim with its equivariance check on: the check's cost, left out here)")
+            lines.append("train+eq cases time slim's equivariance check too: their cost is left out here")
         peaks = [
             result["memory"]["slim"]["peak_bytes"] / max(result["memory"]["stock"]["peak_bytes"], 1) for result in plain
         ]
@@ -169,9 +201,15 @@ def format_markdown(payload: dict) -> str:
         f"- device: {environment['device_name']}; {environment['torch_threads']} torch threads; "
         f"elapsed {payload.get('elapsed_s', 0):.0f} s",
         "",
+        f"- allocator: {_describe_allocator(environment)}",
+        "- ms: medians with the allocator warm; stock/slim and slim/floor: the ratio of those medians,",
+        "  then the median and quartiles of the per-repeat ratio ('paired'). cold: with the allocator cold,",
+        "  stock and slim ms, and minor page faults per call (stock / slim).",
+        "",
         "| mode | attn | weights | B | L | E | H | dtype | stock ms | slim ms | floor ms | stock/slim | slim/floor "
+        "| cold ms stock / slim | cold faults/call stock / slim "
         "| peak MiB stock / slim / floor | saved MiB stock / slim |",
-        "|---|---|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|---|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for result in payload["cases"]:
         case, time, memory = result["case"], result["time"], result["memory"]
@@ -181,10 +219,14 @@ def format_markdown(payload: dict) -> str:
             f"{time[name]['median_ms']:.2f} ±{time[name]['iqr_over_median'] * 50:.0f}%"
             for name in CONTENDER_ORDER
         ]
+        cold = result.get("cold")
+        cold_ms = " / ".join(f"{cold[name]['median_ms']:.2f}" for name in ("stock", "slim")) if cold else "-"
+        faults = " / ".join(f"{cold[name]['faults_per_call']:.0f}" for name in ("stock", "slim")) if cold else "-"
         lines.append(
             f"| {case['mode']} | {case['attention']} | {'yes' if case['need_weights'] else 'no'} | {case['batch']} "
             f"| {case['seq_len']} | {case['embed_dim']} | {case['num_heads']} | {case['dtype']} | {' | '.join(times)} "
-            f"| {_ratio(result, 'stock_over_slim')} | {_ratio(result, 'slim_over_floor')} | {peaks} | {saved} |"
+            f"| {_ratio(result, 'stock_over_slim')} | {_ratio(result, 'slim_over_floor')} | {cold_ms} | {faults} "
+            f"| {peaks} | {saved} |"
         )
     checks = [
         TargetCheck(**{key: value for key, value in target.items() if key != "passed"})
@@ -193,6 +235,17 @@ def format_markdown(payload: dict) -> str:
     lines += ["", "```", format_targets(checks), "```"]
     lines += [f"- {note}" for note in payload.get("notes", [])]
     return "\n".join(lines)
+
+
+def _describe_allocator(environment: dict) -> str:
+    allocator = environment.get("allocator") or {}
+    if not allocator:
+        return "not recorded"
+    if not allocator.get("controlled"):
+        return f"{allocator.get('library')}, inherited (not set by the benchmark)"
+    settings = ", ".join(f"{name}={value}" for name, value in allocator["warm"].items())
+    inherited = ", ".join(f"{name}={value}" for name, value in allocator.get("environment", {}).items())
+    return f"{allocator['library']}, warm: {settings}" + (f"; environment: {inherited}" if inherited else "")
 
 
 def _check(
@@ -213,11 +266,11 @@ def _check(
 
 _FLOOR_BOUND = "out of reach where the bare ops' own stock/floor (printed as 'floor') is below it"
 _EXPLANATIONS = {
-    "CPU inference at the target shapes, need_weights=False: stock/slim >= 1.5": f"issue 6's goal; {_FLOOR_BOUND}",
-    "CPU inference at the target shapes, need_weights=True: stock/slim >= 1.5": f"issue 6's goal; {_FLOOR_BOUND}",
-    "CPU training fwd+bwd: stock/slim >= 1.1": f"issue 6's goal; {_FLOOR_BOUND}",
-    "inference: stock/slim >= 1.2": f"issue 7's CUDA goal; {_FLOOR_BOUND}",
-    "training fwd+bwd: stock/slim >= 1.05": f"issue 7's CUDA goal; {_FLOOR_BOUND}",
+    "CPU inference at the target shapes, need_weights=False: stock/slim >= 1.5": f"the CPU goal; {_FLOOR_BOUND}",
+    "CPU inference at the target shapes, need_weights=True: stock/slim >= 1.5": f"the CPU goal; {_FLOOR_BOUND}",
+    "CPU training fwd+bwd: stock/slim >= 1.1": f"the CPU goal; {_FLOOR_BOUND}",
+    "inference: stock/slim >= 1.2": f"the CUDA goal; {_FLOOR_BOUND}",
+    "training fwd+bwd: stock/slim >= 1.05": f"the CUDA goal; {_FLOOR_BOUND}",
     "every case: stock/slim >= 0.97": "slim is never notably slower than stock (3% allows for timing noise)",
     "every case: slim/floor <= 1.10": "slim's overhead over the bare matmul + attention + matmul is at most 10%",
     "every case: peak memory slim/stock <= 1.0": "slim never needs more memory at its peak than stock",
@@ -225,7 +278,7 @@ _EXPLANATIONS = {
 
 
 def evaluate_targets(results: list[dict], device: str) -> list[TargetCheck]:
-    """Issue 6's CPU targets, or issue 7's CUDA targets, against the measured cases.
+    """The project's CPU targets, or its CUDA targets, against the measured cases.
 
     Cases with the equivariance check on do extra work by design; they are reported as the cost of
     the check and left out of the speed, floor and memory targets.
@@ -310,10 +363,28 @@ _MODE_COLOURS = {"inference": "C0", "train": "C1", "train-equivariance": "C2"}
 _LEGEND_TITLE = "B batch, L sequence length, E embed dim, H heads; w: need_weights=True"
 
 
+def plain_mib_ticks(axis) -> None:
+    """Plain numbers on a log axis of MiB (0.5, 2, 60), where matplotlib would write 6x10^1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # the optional bench extra
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _paired_spread(result: dict, ratio: float) -> tuple[float, float]:
+    """The per-repeat ratio's quartiles, held to include the ratio of medians the point shows."""
+    paired = result.get("paired_ratios", {}).get("stock_over_slim")
+    if paired is None:
+        return ratio, ratio
+    low, high = paired["quartiles"]
+    return min(low, ratio), max(high, ratio)
+
+
 def plot_speedup(results: list[dict], path: Path) -> str:
     """One figure over every case run: speed ratios on top, peak memory below; returns a one-line note.
 
-    Top: stock/slim per case (median and quartiles of the per-repeat ratios), coloured by mode, with
+    Top: stock/slim per case (ratio of medians, bars from the per-repeat ratios' quartiles), coloured by mode, with
     the floor's stock/floor beside it (the most any implementation of the same ops could reach
     there) and lines at parity and at 0.97x. Bottom: peak MiB of stock, slim and the floor.
     """
@@ -338,8 +409,7 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         if not chosen:
             continue
         ratios = [results[index]["ratios"]["stock_over_slim"] for index in chosen]
-        spreads = [results[index].get("ratio_spread", {}).get("stock_over_slim") or (ratio, ratio)
-                   for index, ratio in zip(chosen, ratios)]
+        spreads = [_paired_spread(results[index], ratio) for index, ratio in zip(chosen, ratios)]
         errors = [[ratio - low for ratio, (low, _) in zip(ratios, spreads)],
                   [high - ratio for ratio, (_, high) in zip(ratios, spreads)]]
         speed.errorbar(chosen, ratios, yerr=errors, fmt="o", color=colour, capsize=3, label=f"stock/slim, {mode}")
@@ -348,7 +418,7 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     speed.axhline(1.0, color="grey", linewidth=1, label="1.0: as fast as stock")
     speed.axhline(0.97, color="red", linewidth=1, linestyle="--", label="0.97: never notably slower")
     speed.set_ylabel("stock time / slim time (above 1: slim faster)")
-    speed.set_title(f"slim against stock over {count} cases (IQR bars)")
+    speed.set_title(f"slim against stock over {count} cases, allocator warm (ratio of medians; bars: paired IQR)")
     speed.grid(axis="y", alpha=0.3)
     speed.legend(title=_LEGEND_TITLE.replace("; ", "\n"), fontsize=8, title_fontsize=8, loc="upper left",
                  bbox_to_anchor=(1.01, 1.0))
@@ -360,6 +430,7 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         memory.bar([index + offset for index in positions], peaks, width=bar, label=f"{name} peak", **style)
     memory.set_ylabel("peak memory above the inputs (MiB)")
     memory.set_yscale("log")
+    plain_mib_ticks(memory.yaxis)
     memory.grid(axis="y", alpha=0.3)
     memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     labels = [

@@ -8,11 +8,14 @@ import platform
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .. import __version__
+from .allocator import allocator_state, describe_allocator, prepare_cold_call, settle
 from .cases import Case
 from .contenders import Contender, build_contenders, output_error
 from .memory import (
@@ -85,21 +88,51 @@ def time_interleaved(
     settings: Settings,
     *,
     ratios: tuple[tuple[str, str], ...],
-    spreads: tuple[tuple[str, str], ...],
+    spreads: tuple[tuple[str, str], ...] = (),
 ) -> dict:
-    """A result's ``time``, ``ratios`` and ``ratio_spread``: the contenders timed interleaved, and for
-    each ``(a, b)`` pair the ratio ``a_over_b`` (and, for ``spreads``, its quartiles).
+    """The contenders timed interleaved with the allocator warm, then (CPU) cold; for each ``(a, b)``
+    in ``ratios`` the ratio ``a_over_b``.
 
-    Each ratio is the median over repeats of the ratio within one repeat: the contenders of a
-    repeat ran back to back, so drift and bursts of load from other processes cancel in it.
+    * ``time`` and ``ratios``: warm allocator, no page faulted per call: the compute ratio. A ratio is
+      the ratio of the two median times, so it always agrees with the milliseconds printed beside it.
+    * ``paired_ratios``: for the ``spreads`` pairs, the median and quartiles of the ratio within one
+      repeat (the contenders of a repeat ran back to back, so drift and bursts of load cancel in it).
+    * ``cold`` and ``cold_ratios`` (CPU, ``settings.cold_repeats`` > 0): every call faults its memory
+      in anew; the median time and minor page faults per call show what each contender's memory
+      traffic costs.
     """
-    timings = measure({name: (c.step, c.reset) for name, c in contenders.items()}, device, settings)
+    steps = {name: (c.step, c.reset) for name, c in contenders.items()}
+    result: dict = {"allocator_controlled": None}
+    if device.type == "cpu" and settings.cold_repeats:
+        with allocator_state("cold") as controlled:
+            cold_settings = replace(settings, repeats=settings.cold_repeats, min_repeats=settings.cold_repeats)
+            cold = measure({name: (step, _then_cold(reset)) for name, (step, reset) in steps.items()}, device,
+                           cold_settings)
+        result["cold"] = {name: {"median_ms": s.median_ms, "faults_per_call": s.faults_per_call}
+                          for name, s in cold.items()}
+        result["cold_ratios"] = {f"{a}_over_{b}": cold[a].median_ms / cold[b].median_ms for a, b in ratios}
+    with allocator_state("warm") as controlled:
+        for step, reset in steps.values():
+            settle(step, reset)
+        timings = measure(steps, device, settings)
+    result["allocator_controlled"] = controlled
     samples = {name: summary.samples_ms for name, summary in timings.items()}
-    return {
-        "time": {name: summary.as_dict() for name, summary in timings.items()},
-        "ratios": {f"{a}_over_{b}": _paired_ratio(samples[a], samples[b]) for a, b in ratios},
-        "ratio_spread": {f"{a}_over_{b}": _paired_quartiles(samples[a], samples[b]) for a, b in spreads},
+    result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
+    result["ratios"] = {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in ratios}
+    result["paired_ratios"] = {
+        f"{a}_over_{b}": {"median": _paired_ratio(samples[a], samples[b]),
+                          "quartiles": _paired_quartiles(samples[a], samples[b])}
+        for a, b in spreads
     }
+    return result
+
+
+def _then_cold(reset: Callable[[], None]) -> Callable[[], None]:
+    def reset_cold() -> None:
+        reset()
+        prepare_cold_call()
+
+    return reset_cold
 
 
 def _paired_ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -209,6 +242,7 @@ def describe_environment(device: torch.device) -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
+        "allocator": describe_allocator(),
     }
     if device.type == "cuda":
         environment.update(

@@ -5,7 +5,9 @@ neighbour, the allocator's state), and shuffling the order within a repeat cance
 of always running first or last. A sample is ``inner`` consecutive calls, each timed on its own so
 that the untimed ``reset`` (clearing gradients) can run between them; ``inner`` is chosen once per
 case so that a sample lasts at least ``min_sample_s``. On CUDA each call is bracketed by CUDA events
-and the sample is read after one synchronize; on CPU by ``time.perf_counter``.
+and the sample is read after one synchronize; on CPU by ``time.perf_counter``. Each sample also
+counts the process's minor page faults over its calls (``getrusage``): memory the allocator had to
+map afresh, which the allocator's state decides (``allocator.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from .allocator import minor_faults
+
 __all__ = ["Settings", "Summary", "measure", "summarize"]
 
 
@@ -31,6 +35,7 @@ class Settings:
     min_sample_s: float = 0.02
     max_case_s: float = 6.0  # stop adding repeats (past min_repeats) once a case has run this long
     seed: int = 0
+    cold_repeats: int = 5  # repeats with the allocator cold (CPU), after the warm-up; 0: none
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Summary:
     max_ms: float
     samples_ms: list[float]
     calls_per_sample: int
+    faults_per_call: float  # median over the samples of minor page faults per call
 
     @property
     def spread(self) -> float:
@@ -59,17 +65,19 @@ class Summary:
             "max_ms": self.max_ms,
             "iqr_over_median": self.spread,
             "calls_per_sample": self.calls_per_sample,
+            "faults_per_call": self.faults_per_call,
             "samples_ms": self.samples_ms,
         }
 
 
-def summarize(samples_s: list[float], calls_per_sample: int) -> Summary:
+def summarize(samples_s: list[float], calls_per_sample: int, faults: list[int] | None = None) -> Summary:
     ms = [sample * 1e3 for sample in samples_s]
     if len(ms) >= 2:
         q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
     else:
         q1 = q3 = ms[0]
-    return Summary(statistics.median(ms), q1, q3, min(ms), max(ms), ms, calls_per_sample)
+    per_call = statistics.median(count / calls_per_sample for count in faults) if faults else 0.0
+    return Summary(statistics.median(ms), q1, q3, min(ms), max(ms), ms, calls_per_sample, per_call)
 
 
 class _Clock:
@@ -78,25 +86,31 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def sample(self, step: Callable[[], None], reset: Callable[[], None], calls: int) -> float:
+    def sample(self, step: Callable[[], None], reset: Callable[[], None], calls: int) -> tuple[float, int]:
+        """Seconds in ``step`` over ``calls`` calls, and the minor page faults taken inside them."""
+        faults = 0
         if self.cuda:
             pairs = []
             for _ in range(calls):
                 reset()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before = minor_faults()
                 start.record()
                 step()
                 end.record()
+                faults += minor_faults() - before
                 pairs.append((start, end))
             torch.cuda.synchronize()
-            return sum(start.elapsed_time(end) for start, end in pairs) / 1e3
+            return sum(start.elapsed_time(end) for start, end in pairs) / 1e3, faults
         total = 0.0
         for _ in range(calls):
             reset()
+            before = minor_faults()
             begin = time.perf_counter()
             step()
             total += time.perf_counter() - begin
-        return total
+            faults += minor_faults() - before
+        return total, faults
 
 
 def measure(
@@ -115,21 +129,24 @@ def measure(
         for _ in range(max(1, settings.warmup)):
             for name in order:
                 step, reset = contenders[name]
-                first_calls[name].append(clock.sample(step, reset, 1))
+                first_calls[name].append(clock.sample(step, reset, 1)[0])
         slowest_call = max(min(times) for times in first_calls.values())
         calls = max(1, math.ceil(settings.min_sample_s / max(slowest_call, 1e-9)))
 
         samples = {name: [] for name in order}
+        faults = {name: [] for name in order}
         started = time.perf_counter()
         for repeat in range(settings.repeats):
             shuffle.shuffle(order)
             for name in order:
                 step, reset = contenders[name]
-                samples[name].append(clock.sample(step, reset, calls) / calls)
+                seconds, count = clock.sample(step, reset, calls)
+                samples[name].append(seconds / calls)
+                faults[name].append(count)
             out_of_time = time.perf_counter() - started > settings.max_case_s
             if out_of_time and repeat + 1 >= settings.min_repeats:
                 break
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {name: summarize(samples[name], calls) for name in contenders}
+    return {name: summarize(samples[name], calls, faults[name]) for name in contenders}

@@ -1,0 +1,71 @@
+"""Options that the benchmark's subcommands share: the device and the timing settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .timing import Settings
+
+__all__ = ["add_device_option", "add_timing_options", "resolve_device", "timing_settings"]
+
+# Per device, (repeats, min_repeats, min_sample_s, max_case_s) for the quick and the full run.
+_SETTINGS = {
+    ("cpu", False): (15, 5, 0.02, 6.0),
+    ("cpu", True): (21, 7, 0.05, 20.0),
+    ("cuda", False): (25, 8, 0.005, 1.2),
+    ("cuda", True): (41, 15, 0.01, 4.0),
+}
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+
+
+def add_timing_options(parser: argparse.ArgumentParser, *, repeats_help: str, cold: bool = True) -> None:
+    """``--repeats`` and the rest; ``cold``: also ``--cold-repeats``, for commands that time both states."""
+    parser.add_argument("--repeats", type=int, help=repeats_help)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per contender first (default: 2)")
+    if cold:
+        parser.add_argument(
+            "--cold-repeats",
+            type=int,
+            default=5,
+            help="CPU: repeats with the allocator cold, for page faults per call (default: 5; 0: none)",
+        )
+    parser.add_argument("--min-sample-ms", type=float, help="each timed sample lasts at least this long")
+    parser.add_argument(
+        "--max-case-s", type=float, help="stop repeating a case after this many seconds (minimum repeats first)"
+    )
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for CPU runs")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_device(parser: argparse.ArgumentParser, requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available to this torch; use --device cpu")
+    return torch.device(requested)
+
+
+def timing_settings(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device, *, full: bool = False
+) -> Settings:
+    """The timing settings from the options, after checking them (one-line errors through ``parser``)."""
+    for name, least in (("repeats", 1), ("warmup", 0), ("cold_repeats", 0), ("threads", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    repeats, min_repeats, min_sample_s, max_case_s = _SETTINGS[(device.type, full)]
+    repeats = args.repeats or repeats
+    return Settings(
+        repeats=repeats,
+        min_repeats=min(min_repeats, repeats),
+        warmup=args.warmup,
+        min_sample_s=args.min_sample_ms / 1e3 if args.min_sample_ms is not None else min_sample_s,
+        max_case_s=args.max_case_s if args.max_case_s is not None else max_case_s,
+        seed=args.seed,
+        cold_repeats=getattr(args, "cold_repeats", 0) if device.type == "cpu" else 0,
+    )
