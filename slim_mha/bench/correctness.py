@@ -29,17 +29,16 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .._matrix import APPENDED, ATTENTION_KINDS, MODES, TOLERANCE, WEIGHTS, appended_options
 from ..attention import SlimMultiheadAttention
 
 __all__ = ["Config", "check_config", "core_matrix", "main"]
 
 EMBED, HEADS, KDIM, VDIM, TARGET, SOURCE, BATCH = 64, 4, 40, 48, 33, 47, 3
-FLOOR = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KINDS = ("self", "cross_shared_kv", "cross", "kdim_vdim")
-APPENDED = ("none", "bias_kv", "zero_attn", "both")
-WEIGHTS = ("none", "averaged", "per_head")
-MODES = ("train", "eval", "inference_mode")
+# The project's one matrix and slim-vs-stock tolerance table (slim_mha/_matrix.py), as the tests use.
+FLOOR = {name: TOLERANCE[dtype] for name, dtype in DTYPES.items()}
+KINDS = ATTENTION_KINDS
 MASKS = ("none", "bool", "float")
 ATTN_MASKS = ("none", "2d", "3d", "causal")
 
@@ -58,11 +57,7 @@ class Config:
     seed: int = 0
 
     def module_kwargs(self) -> dict:
-        kwargs = dict(
-            add_bias_kv=self.appended in ("bias_kv", "both"),
-            add_zero_attn=self.appended in ("zero_attn", "both"),
-            batch_first=self.batch_first,
-        )
+        kwargs = dict(**appended_options(self.appended), batch_first=self.batch_first)
         if self.kind == "kdim_vdim":
             kwargs.update(kdim=KDIM, vdim=VDIM)
         return kwargs
@@ -180,8 +175,8 @@ def _as(inputs: dict, dtype: torch.dtype, requires_grad: bool) -> dict:
 
 def _run(module: nn.Module, inputs: dict, config: Config, cotangent: dict | None) -> dict:
     """Output, weights and (in training) gradients by name, for one module."""
-    if config.mode == "inference_mode":
-        with torch.inference_mode():
+    if config.mode in ("no_grad", "inference_mode"):
+        with torch.no_grad() if config.mode == "no_grad" else torch.inference_mode():
             out, weights = module(**inputs)
     else:
         out, weights = module(**inputs)

@@ -70,6 +70,8 @@ def plot_scale(payload: dict, path: Path) -> str:
                 continue
             axis.set_xscale("log")
             axis.set_yscale("log")
+            if axis is memory_axis:
+                plain_mib_ticks(axis.yaxis)  # plain MiB (0.5, 2, 60), not 6x10^1
             axis.set_xlabel("tokens N")
             axis.set_ylabel(what)
             axis.grid(True, which="both", alpha=0.3)
