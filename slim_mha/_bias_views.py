@@ -72,12 +72,24 @@ class ComputedStockBias(Tensor):
         return result
 
 
+# The in-place operators by name; other dunders that start with "__i" (__int__, __index__, __iter__)
+# only read.
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{operator}__"
+    for operator in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+                     "lshift", "rshift")
+) | {"__setitem__"}
+
+
+_SETTABLE_ATTRIBUTES = (Tensor.data, Tensor.grad, Tensor.requires_grad)
+
+
 def _writes(func, kwargs: dict) -> bool:
-    if any(_is_attribute_access(func, attribute, "__set__") for attribute in (Tensor.data, Tensor.grad, Tensor.requires_grad)):
+    if any(_is_attribute_access(func, attribute, "__set__") for attribute in _SETTABLE_ATTRIBUTES):
         return True
     name = getattr(func, "__name__", "")
     in_place = name.endswith("_") and not name.endswith("__")
-    return in_place or name.startswith("__i") or name == "__setitem__" or kwargs.get("out") is not None
+    return in_place or name in _IN_PLACE_DUNDERS or kwargs.get("out") is not None
 
 
 def _is_attribute_access(func, attribute, kind: str) -> bool:

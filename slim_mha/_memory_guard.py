@@ -82,7 +82,7 @@ def check_weights_fit(q: Tensor, src_len: int, plan) -> None:
     if is_capturing_graph():  # symbolic or recorded sizes: no allocation here
         return
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
-    if 2 * head_maps + head_maps // max(q.size(1), 1) < _CHECK_ABOVE_BYTES:  # the most any path below holds
+    if 2 * head_maps + head_maps // q.size(1) < _CHECK_ABOVE_BYTES:  # the most any path below holds
         return
     needed, what = weights_path_bytes(q, src_len, plan)
     if needed >= _CHECK_ABOVE_BYTES:

@@ -361,14 +361,14 @@ def _scatter_gradient(module, packed: Tensor, value: Tensor | None) -> None:
     """``in_proj_bias.grad = value``: the parameters' ``.grad`` become views of ``value`` (or None)."""
     if resync(module) is None:
         raise RuntimeError(unaliased_message("assigning in_proj_bias.grad"))
-    state = module.__dict__[_STATE]
-    parts = _current_parts(module)
     E = module.embed_dim
-    _set_grad(packed, None)
-    if value is not None and tuple(value.shape) != (3 * E,):
+    if value is not None and tuple(value.shape) != (3 * E,):  # refused before anything changes
         raise RuntimeError(
             f"assigned grad has data of a different size: in_proj_bias is ({3 * E},), got {tuple(value.shape)}"
         )
+    state = module.__dict__[_STATE]
+    parts = _current_parts(module)
+    _set_grad(packed, None)
     for index, part in enumerate(parts):
         if part is not None:
             part.grad = None if value is None else value[index * E : (index + 1) * E]
@@ -384,9 +384,9 @@ def _current_parts(module) -> tuple:
     # has moved them out, so fall back to attribute access, which computes them.
     parameters = module._parameters
     try:
-        return parameters["q_proj_bias"], parameters["k_proj_bias"], parameters["v_proj_bias"]
+        return tuple(parameters[name] for name in BIAS_NAMES)
     except KeyError:
-        return module.q_proj_bias, module.k_proj_bias, module.v_proj_bias
+        return tuple(getattr(module, name) for name in BIAS_NAMES)
 
 
 def _absent(parts: tuple) -> bool:

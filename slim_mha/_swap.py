@@ -16,12 +16,17 @@ from torch import nn
 from ._torch_compat import MODULE_HOOK_ATTRIBUTES, STOCK_MHA
 from .bias import BIAS_NAMES, STOCK_BIAS_NAME
 
-__all__ = ["build_stock", "load_shared", "meta_options", "refuse_folded_value_bias"]
+__all__ = ["build_stock", "has_folded_value_bias", "load_shared", "meta_options", "refuse_folded_value_bias"]
+
+
+def has_folded_value_bias(module: nn.Module) -> bool:
+    """Whether ``fold_value_bias`` moved this slim module's value bias into ``out_proj.bias``."""
+    return module.q_proj_bias is not None and module.v_proj_bias is None
 
 
 def refuse_folded_value_bias(module: nn.Module, where: str, caller: str) -> None:
     """Stock cannot represent a folded value bias exactly: refuse, naming the module and the fix."""
-    if module.q_proj_bias is not None and module.v_proj_bias is None:
+    if has_folded_value_bias(module):
         raise ValueError(
             f"{caller}: module {where} had its value bias folded into out_proj.bias (fold_value_bias), which "
             "stock cannot represent exactly: on a query row masked from every key stock outputs out_proj.bias, "

@@ -15,7 +15,7 @@ from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights
 from ._packed_bias import PackedBiasOwner
 from ._stock_checks import attention_mask, is_batched_mha_input
-from ._swap import build_stock, refuse_folded_value_bias
+from ._swap import build_stock, has_folded_value_bias, refuse_folded_value_bias
 from ._torch_compat import is_capturing_or_transforming
 from .bias import FORMAT_VERSION
 from .equivariance import _mode as _equivariance
@@ -220,7 +220,7 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
         if need_weights:
             out, weights = attention_with_weights(q, k, v, mask, dropout_p, average)
         else:
-            if mask is not None and self.q_proj_bias is not None and self.v_proj_bias is None:
+            if mask is not None and has_folded_value_bias(self):
                 _refuse_rows_masked_from_every_key(mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None

@@ -276,6 +276,7 @@ def test_writes_and_optimizers_on_a_computed_in_proj_bias_refuse_loudly():
     for module in (stock, slim):
         vector_to_parameters(parameters_to_vector(module.parameters()).clone(), module.parameters())
     assert_same(stock, slim, "after vector_to_parameters")
+    assert int(slim.in_proj_bias[0]) == int(stock.in_proj_bias[0]) and len(list(slim.in_proj_bias)) == 3 * E
     read, expected = slim.in_proj_bias.detach().clone(), stock.in_proj_bias.detach()
     assert type(read) is torch.Tensor  # a copy of a computed in_proj_bias is a plain tensor
     assert_close_scaled(read[:E], expected[:E], "q slot read")  # reads are exact
@@ -286,6 +287,8 @@ def test_writes_and_optimizers_on_a_computed_in_proj_bias_refuse_loudly():
         lambda bias: bias.detach().add_(1.0),
         lambda bias: bias.requires_grad_(False),
         lambda bias: setattr(bias, "data", torch.zeros(3 * E)),
+        lambda bias: bias.__iadd__(1.0),  # bias += 1.0
+        lambda bias: bias.__setitem__(0, 1.0),  # bias[0] = 1.0
     ):
         with pytest.raises(RuntimeError, match=UNALIASED):
             with torch.no_grad():
