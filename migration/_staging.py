@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
@@ -316,24 +317,28 @@ def _rename_no_replace(source: Path, target: Path) -> None:
     os.rename(source, target)
 
 
-_libc_renameat2: Callable | None | bool = False  # False: not looked up yet
+@functools.cache
+def _libc_function(name: str, *argtypes) -> Callable | None:
+    """The Linux C library's ``name`` (returning an int, setting errno), looked up once; None elsewhere
+    or where this C library lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function
 
 
 def _renameat2(source: Path, target: Path, flags: int) -> bool:
     """``renameat2(source, target, flags)``; False where the C library, the kernel or the file system
     cannot do it, so that the caller falls back to plain renames."""
-    global _libc_renameat2
-    if _libc_renameat2 is False:
-        _libc_renameat2 = None
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                function = ctypes.CDLL(None, use_errno=True).renameat2
-                function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-                function.restype = ctypes.c_int
-                _libc_renameat2 = function
-    if _libc_renameat2 is None:
+    renameat2 = _libc_function("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if renameat2 is None:
         return False
-    if _libc_renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
         return True
     code = ctypes.get_errno()
     if code in _UNSUPPORTED:
@@ -363,22 +368,11 @@ def sync_files(folder: Path, names: list[str]) -> None:
             os.close(file)
 
 
-_libc_syncfs: Callable | None | bool = False  # False: not looked up yet
-
-
 def _syncfs(descriptor: int) -> bool:
-    global _libc_syncfs
-    if _libc_syncfs is False:
-        _libc_syncfs = None
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                function = ctypes.CDLL(None, use_errno=True).syncfs
-                function.argtypes = [ctypes.c_int]
-                function.restype = ctypes.c_int
-                _libc_syncfs = function
-    if _libc_syncfs is None:
+    syncfs = _libc_function("syncfs", ctypes.c_int)
+    if syncfs is None:
         return False
-    if _libc_syncfs(descriptor) == 0:
+    if syncfs(descriptor) == 0:
         return True
     code = ctypes.get_errno()
     if code in _UNSUPPORTED:
