@@ -11,9 +11,9 @@ sets the state itself, through ``mallopt``, and measures each state for what it 
   (``M_TRIM_THRESHOLD`` at its maximum), so once the heap has grown to a call's needs every buffer
   comes from pages the process already holds and a call faults no page. Aligned allocations can
   land on free chunks whose pages were handed back earlier (by the cold state's ``malloc_trim``)
-  for a few calls before they settle, so :func:`settle` repeats a step untimed until a call faults
-  (almost) nothing, at most :data:`SETTLE_CALLS` times. This is the steady state of a
-  long-running job, and the compute ratio is measured in it.
+  for a few calls before they settle, so :func:`settle` repeats a step untimed until calls fault
+  (almost) nothing several times in a row, at most :data:`SETTLE_CALLS` calls. This is the steady
+  state of a long-running job, and the compute ratio is measured in it.
 * **cold**: every buffer of 64 KiB or more gets a fresh mapping (``M_MMAP_THRESHOLD=65536``, as
   ``MALLOC_MMAP_THRESHOLD_=65536`` does), and before each call ``malloc_trim(0)`` hands back the
   free pages the heap still holds, so every call faults in all of its working memory. The minor page
@@ -42,6 +42,7 @@ _INT_MAX = 2**31 - 1  # mallopt takes an int
 WARM = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": _INT_MAX}
 SETTLE_CALLS = 40
 _SETTLED_FAULTS = 16  # pages a settled call may still fault (Python's own small allocations)
+_SETTLED_RUN = 3  # quiet calls in a row that count as settled
 # glibc's defaults for M_MMAP_MAX and M_TRIM_THRESHOLD; the mmap threshold pinned at 64 KiB.
 COLD = {"M_MMAP_MAX": 65536, "M_TRIM_THRESHOLD": 128 * 1024, "M_MMAP_THRESHOLD": 64 * 1024}
 
@@ -73,13 +74,19 @@ def _apply(settings: dict[str, int]) -> bool:
 
 
 def settle(step: Callable[[], None], reset: Callable[[], None]) -> int:
-    """Call ``step`` untimed until one call faults at most a few pages, at most :data:`SETTLE_CALLS`
-    times; returns the calls made."""
+    """Call ``step`` untimed until :data:`_SETTLED_RUN` calls in a row fault at most a few pages each,
+    at most :data:`SETTLE_CALLS` times; returns the calls made.
+
+    One quiet call is not enough: ``malloc_trim`` in the cold state hands back the pages of free chunks
+    inside the heap too, and successive calls can land on different such chunks, each faulting once.
+    """
+    quiet = 0
     for calls in range(1, SETTLE_CALLS + 1):
         reset()
         before = minor_faults()
         step()
-        if minor_faults() - before <= _SETTLED_FAULTS:
+        quiet = quiet + 1 if minor_faults() - before <= _SETTLED_FAULTS else 0
+        if quiet == _SETTLED_RUN:
             return calls
     return SETTLE_CALLS
 
