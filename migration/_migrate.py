@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import FORMAT_VERSION
 
 from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
 from ._destination import (
@@ -51,7 +51,6 @@ from ._verify import check_module_error, check_written_file, check_written_text,
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import MigrationReport, ModuleReport, format_size
 
-FORMAT_VERSION = SlimMultiheadAttention._version
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 # Tests only: "POINT=FILE" makes a run create FILE at POINT and wait, so that a test can kill it there.
 _TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"

@@ -38,6 +38,7 @@ __all__ = [
     "SlimBiases",
     "fold_key_bias",
     "unfold_key_bias",
+    "zero_key_bias",
     "fold_value_bias_into_output",
     "keeps_key_bias",
 ]
@@ -116,6 +117,28 @@ def unfold_key_bias(biases: SlimBiases, *, embed_dim: int) -> tuple[Tensor | Non
     zeros = present.new_zeros(embed_dim)
     packed = torch.cat([t if t is not None else zeros for t in (q, k, v)])
     return packed, biases.bias_k
+
+
+def zero_key_bias(
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None = None,
+    *,
+    add_zero_attn: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Stock biases with the same function and a zero key slot: stock's layout, loadable by stock and slim.
+
+    The key slot of ``in_proj_bias`` is zeroed and, with ``add_bias_kv``, ``bias_k - b_k`` is returned
+    as the new ``bias_k`` (the module docstring says why that is exact). With ``add_zero_attn`` the
+    key bias cannot be folded, and both tensors are returned as they are.
+
+    Returns:
+        ``(in_proj_bias, bias_k)``, new tensors; the inputs are not modified.
+    """
+    if in_proj_bias is None or keeps_key_bias(add_zero_attn=add_zero_attn):
+        return in_proj_bias, bias_k
+    folded = fold_key_bias(in_proj_bias, bias_k)
+    packed, _ = unfold_key_bias(folded, embed_dim=in_proj_bias.shape[0] // 3)
+    return packed, folded.bias_k
 
 
 def fold_value_bias_into_output(
