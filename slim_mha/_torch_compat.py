@@ -7,37 +7,21 @@ on torch 2.4.1 and 2.13.0 (the tested range's ends at the time of writing).
 from __future__ import annotations
 
 import torch
+import torch.fx
 import torch.nn.modules.activation
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
-    "MODULE_HOOK_ATTRIBUTES",
     "STOCK_MHA",
     "is_capturing_graph",
     "is_capturing_or_transforming",
+    "fx_proxy_of",
     "is_symbolic_call",
 ]
 
 # torch's own class, captured when slim_mha is first imported, which is before anything can patch
 # it: while patched, torch.nn.MultiheadAttention is slim's class.
 STOCK_MHA = torch.nn.modules.activation.MultiheadAttention
-
-# nn.Module's private hook dictionaries (torch/nn/modules/module.py), moved as they are when a
-# module is swapped for its other layout, so that existing RemovableHandle objects still work.
-MODULE_HOOK_ATTRIBUTES = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
 
 def is_capturing_graph() -> bool:
     """``torch.compile``/``torch.export`` (Dynamo) or ``torch.jit.trace`` is recording this call.
@@ -77,3 +61,17 @@ def is_symbolic_call(query: object) -> bool:
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch._C._len_torch_dispatch_stack() > 0
     )
+
+
+def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy | None:
+    """Under ``torch.fx`` symbolic tracing, the node a leaf module would be: a call of ``module``.
+
+    fx's tracer treats stock's class as a leaf (it lives in ``torch.nn``) and calls into any other
+    module's ``forward`` with ``Proxy`` inputs, where Python control flow cannot run. Recording the
+    call itself makes slim attention trace as stock's does. Public API: ``Proxy.tracer``,
+    ``Tracer.path_of_module`` and ``Tracer.create_proxy``.
+    """
+    if not isinstance(query, torch.fx.Proxy):
+        return None
+    tracer = query.tracer
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})

@@ -2,38 +2,37 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
-from torch.nn.parameter import Parameter
 
-from . import _packed_tensor as packed_tensor
 from . import unread_weights
 from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights
-from ._packed_bias import PackedBiasOwner
 from ._stock_checks import attention_mask, is_batched_mha_input
-from ._swap import build_stock, has_folded_value_bias, refuse_folded_value_bias
-from ._torch_compat import is_capturing_or_transforming
-from .bias import FORMAT_VERSION
+from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
+from ._torch_compat import STOCK_MHA, fx_proxy_of, is_capturing_or_transforming
+from .bias import key_bias, restore_stock_layout, without_key_bias
 from .equivariance import _mode as _equivariance
 
-__all__ = ["SlimMultiheadAttention"]
+__all__ = ["SlimMultiheadAttention", "slim_options"]
 
 
-class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
-    r"""A drop-in ``nn.MultiheadAttention`` that stores no key bias and computes the same function.
+class SlimMultiheadAttention(nn.MultiheadAttention):
+    r"""A drop-in ``nn.MultiheadAttention`` that computes stock's function without the key bias.
 
-    Same constructor and ``forward`` as stock, same return values, same initialisation (a seeded
-    construction draws the same weights). It differs in how it computes, not in what:
+    Same constructor, parameters and ``forward`` as stock: the parameters are created and initialised
+    by stock's own ``__init__``, so ``named_parameters()``, ``state_dict()``, optimizers, hooks,
+    FSDP/DDP, ``torch.compile``, fx and parametrizations see exactly what they see on stock, with
+    ``in_proj_bias`` a registered leaf ``Parameter`` of shape ``(3E,)``. What differs is the
+    computation:
 
-    * **No key bias.** ``b_k`` shifts every score of a query by the same ``q·b_k`` and softmax ignores
-      such shifts, so it is not stored, added, or trained. With ``add_bias_kv`` the appended key is
-      stored as ``bias_k - b_k`` (the same row shift applied to it). With ``add_zero_attn`` and a bias
-      the zero key breaks the argument, so ``b_k`` is kept as ``k_proj_bias``. The maths is in
-      :mod:`slim_mha.bias`.
+    * **No key bias.** ``b_k = in_proj_bias[E:2E]`` shifts every score of a query by the same
+      ``q·b_k`` and softmax ignores such shifts, so the forward never adds it: its gradient is
+      exactly zero and whatever value it holds, the output is stock's. Tokens appended after the
+      projection are not shifted by stock, so there the maths keeps ``b_k``: with ``add_bias_kv`` the
+      appended key is ``bias_k - b_k``, with ``add_zero_attn`` the zero key is ``-b_k`` (see
+      :mod:`slim_mha.bias`); ``b_k`` then trains as on stock.
     * **Lean path.** One fused input projection; heads are split as views in the caller's layout;
       ``scaled_dot_product_attention`` whenever weights are not requested; no ``batch_first``
       transposes and no packed-projection copies.
@@ -44,30 +43,10 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
     ``skip_unread_weights=True`` skips the weights of calls whose caller provably discards them
     (``attn(q, k, v)[0]``, ``out, _ = attn(q, k, v)``), see :mod:`slim_mha.unread_weights`.
 
-    State-dict layout (a stable format, version 1), per module prefix:
-
-    ============================  =============  ================================================
-    key                           shape          present when
-    ============================  =============  ================================================
-    ``in_proj_weight``            ``(3E, E)``    ``kdim == vdim == E`` (as stock)
-    ``q/k/v_proj_weight``         as stock       ``kdim`` or ``vdim`` differ (as stock)
-    ``q_proj_bias``               ``(E,)``       ``bias=True``
-    ``v_proj_bias``               ``(E,)``       ``bias=True`` and the value bias was not folded
-    ``k_proj_bias``               ``(E,)``       ``bias=True`` and ``add_zero_attn=True``
-    ``bias_k``                    ``(1, 1, E)``  ``add_bias_kv``; holds ``bias_k - b_k`` unless
-                                                 ``k_proj_bias`` is kept
-    ``bias_v``                    ``(1, 1, E)``  ``add_bias_kv`` (as stock)
-    ``out_proj.weight/.bias``     as stock       as stock
-    ============================  =============  ================================================
-
-    ``load_state_dict`` accepts stock state dicts too (``in_proj_bias`` is folded on the way in).
-
-    Code written for stock that reads or writes ``in_proj_bias`` (stock's ``[b_q; b_k; b_v]``, here
-    the packed view the bias parameters share memory with) gets stock's numbers or a refusal that
-    names the fix: see :mod:`slim_mha._packed_bias` and the README's "Differences from stock".
+    ``load_state_dict`` takes stock's layout and the key-bias-free layout that
+    ``slim-mha-migrate strip`` writes (``q_proj_bias``/``v_proj_bias``, format version 1).
     """
 
-    _version = FORMAT_VERSION  # of the state-dict layout above; stock checkpoints carry no version of ours
     # Class-level defaults so that modules pickled before these options existed still run.
     check_equivariance: bool | None = None
     check_equivariance_every: int = 1
@@ -91,84 +70,38 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
         check_equivariance_every: int = 1,
         skip_unread_weights: bool = False,
     ) -> None:
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"embed_dim and num_heads must be greater than 0,"
-                f" got embed_dim={embed_dim} and num_heads={num_heads} instead"
-            )
-        # Stock's __init__ registers a packed in_proj_bias that we replace by a computed view, so it
-        # is re-done here, allocating and initialising in stock's order so seeded weights match.
-        nn.Module.__init__(self)
-        # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
-        # slim_mha.checking_equivariance() (see slim_mha.equivariance).
-        self.check_equivariance, self.check_equivariance_every = _equivariance.resolve_options(
-            check_equivariance, check_equivariance_every
+        options = slim_options(
+            check_equivariance=check_equivariance,
+            check_equivariance_every=check_equivariance_every,
+            skip_unread_weights=skip_unread_weights,
         )
-        # Skip weights the caller provably discards (see slim_mha.unread_weights).
-        self.skip_unread_weights = unread_weights.resolve_option(skip_unread_weights)
-        factory = {"device": device, "dtype": dtype}
-        self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.dropout = dropout
-        self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
-        if self.head_dim * num_heads != self.embed_dim:
-            raise AssertionError("embed_dim must be divisible by num_heads")
+        # Stock registers and initialises every parameter, in its order and with its random draws.
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
+        self.__dict__.update(options)
 
-        if self._qkv_same_embed_dim:
-            self.in_proj_weight = Parameter(torch.empty((3 * embed_dim, embed_dim), **factory))
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-        else:
-            self.q_proj_weight = Parameter(torch.empty((embed_dim, embed_dim), **factory))
-            self.k_proj_weight = Parameter(torch.empty((embed_dim, self.kdim), **factory))
-            self.v_proj_weight = Parameter(torch.empty((embed_dim, self.vdim), **factory))
-            self.register_parameter("in_proj_weight", None)
-
-        self.add_zero_attn = add_zero_attn
-        # q/k/v_proj_bias are views of one packed tensor, the in_proj_bias view (see _packed_bias).
-        self._create_packed_bias(bias=bias, factory=factory)
-        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
-
-        if add_bias_kv:
-            self.bias_k = Parameter(torch.empty((1, 1, embed_dim), **factory))
-            self.bias_v = Parameter(torch.empty((1, 1, embed_dim), **factory))
-        else:
-            self.bias_k = self.bias_v = None
-
-        self._reset_parameters()
-
-    def _reset_parameters(self) -> None:
-        # Same draws, in the same order, as stock: its zero key slice needs no draw either. The
-        # nn.init functions are looked up at call time, so that wrappers of them (Hugging Face's
-        # init guard skips the tensors it loaded) see these calls as they see stock's.
-        _refuse_stock_checkpoint_dropped_by_loader(self)
-        if self._qkv_same_embed_dim:
-            nn.init.xavier_uniform_(self.in_proj_weight)
-        else:
-            nn.init.xavier_uniform_(self.q_proj_weight)
-            nn.init.xavier_uniform_(self.k_proj_weight)
-            nn.init.xavier_uniform_(self.v_proj_weight)
-        for bias in (self.q_proj_bias, self.k_proj_bias, self.v_proj_bias):
-            if bias is not None:
-                nn.init.constant_(bias, 0.0)
-        if self.q_proj_bias is not None and not getattr(self.q_proj_bias, "_is_hf_initialized", False):
-            self._zero_key_slot()  # stock zeroes its b_k with the rest of in_proj_bias
-        if self.q_proj_bias is not None and self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
-        if self.bias_k is not None:
-            nn.init.xavier_normal_(self.bias_k)
-        if self.bias_v is not None:
-            nn.init.xavier_normal_(self.bias_v)
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # The key-bias-free layout (format version 1) becomes stock's before stock's loading runs.
+        # Without biases of our own its keys are left for torch to report as unexpected.
+        if self.in_proj_bias is not None:
+            restore_stock_layout(state_dict, prefix, embed_dim=self.embed_dim, error_msgs=error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # Loaded weights are a model of their own: this module now computes stock's function of them.
+        self.__dict__.pop(FOLDED_VALUE_BIAS, None)
 
     def __prepare_scriptable__(self) -> nn.MultiheadAttention:
-        """``torch.jit.script`` compiles the equivalent stock module (see :func:`slim_mha.to_stock`)."""
+        """``torch.jit.script`` compiles the stock module holding these same parameters.
+
+        torch puts the returned module in place of this one in the parents' ``_modules``; the
+        parameter objects are the same, so optimizers keep training them.
+        """
         refuse_folded_value_bias(self, "(this module)", "torch.jit.script")
-        return build_stock(self)
+        return rebuild_as(self, STOCK_MHA)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -184,13 +117,16 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
-        if need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query):
-            need_weights = False  # the caller drops them: compute what need_weights=False computes
         call = AttentionCall(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
+        traced = fx_proxy_of(self, query, tuple(call))  # fx records the call, as it does stock's
+        if traced is not None:
+            return traced
+        if need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query):
+            call = call._replace(need_weights=False)  # the caller drops them: compute what False computes
         if query.is_nested or key.is_nested or value.is_nested:
-            # Only stock's native kernel takes nested tensors; it reads our computed in_proj_bias.
+            # Only stock's native kernel takes nested tensors: stock's computation of the same parameters.
             return super().forward(*call)
         result = self._attend(call)
         if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
@@ -250,7 +186,8 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
             )
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool) -> list[Tensor]:
-        """Input projections, fused as far as the inputs allow; returns ``(B, H, len, D)`` views."""
+        """Input projections without the key bias, fused as far as the inputs allow; returns
+        ``(B, H, len, D)`` views."""
         E = self.embed_dim
 
         def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int = 1) -> list[Tensor]:
@@ -262,30 +199,37 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
                 projected = F.linear(x, weight, bias)
             return _split_heads(projected, parts, self.num_heads, batch_first)
 
-        bias = packed_tensor.fused_bias(self)
-        weight = self.in_proj_weight
+        bias, weight = self.in_proj_bias, self.in_proj_weight
         if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
-            return heads(query, weight, bias, 3)
-        # Split only past self-attention: the three slices cost 11 aten ops (launches) it never uses.
-        b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
+            return heads(query, weight, without_key_bias(bias, E), 3)
+        # Slices only past self-attention: they cost aten ops (launches) that path never uses.
+        b_q, b_v = (bias[:E], bias[2 * E :]) if bias is not None else (None, None)
         if not self._qkv_same_embed_dim:
-            return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, b_k) + heads(
+            return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
                 value, self.v_proj_weight, b_v
             )
         if key is value:  # encoder-decoder attention: one matmul for keys and values
-            return heads(query, weight[:E], b_q) + heads(key, weight[E:], None if bias is None else bias[E:], 2)
-        return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], b_k) + heads(value, weight[2 * E :], b_v)
+            kv_bias = without_key_bias(bias, E)[E:] if bias is not None else None
+            return heads(query, weight[:E], b_q) + heads(key, weight[E:], kv_bias, 2)
+        return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], None) + heads(value, weight[2 * E :], b_v)
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them."""
+        """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
+
+        Stock's projected keys carry ``b_k`` and its appended keys do not; ours carry none, so each
+        appended key is shifted by ``-b_k`` (the same shift of a whole score row, exact).
+        """
         B, H, _, D = k.shape
+        b_k = key_bias(self.in_proj_bias, self.embed_dim)  # (E,) or None
         if self.bias_k is not None and self.bias_v is not None:
-            k = torch.cat([k, self.bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)
+            bias_k = self.bias_k if b_k is None else self.bias_k - b_k
+            k = torch.cat([k, bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)
             v = torch.cat([v, self.bias_v.view(1, H, 1, D).expand(B, H, 1, D).to(v.dtype)], dim=2)
         elif self.bias_k is not None or self.bias_v is not None:
             raise AssertionError("bias_k and bias_v must be both set or both None")
         if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(B, H, 1, D)], dim=2)
+            zero_key = k.new_zeros(B, H, 1, D) if b_k is None else (-b_k).view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)
+            k = torch.cat([k, zero_key], dim=2)
             v = torch.cat([v, v.new_zeros(B, H, 1, D)], dim=2)
         return k, v
 
@@ -302,26 +246,19 @@ class SlimMultiheadAttention(PackedBiasOwner, nn.MultiheadAttention):
         return ", ".join(extras)
 
 
-def _refuse_stock_checkpoint_dropped_by_loader(module: SlimMultiheadAttention) -> None:
-    """Raise instead of initialising biases that a loader dropped: never a silently wrong model.
-
-    Hugging Face's loader flags each tensor it loaded (``_is_hf_initialized``), reports stock's
-    ``in_proj_bias`` as an unexpected key and then initialises what is missing. Weights flagged as
-    loaded but ``q_proj_bias`` not means a stock checkpoint, whose biases would be lost.
-    """
-    weight = module.in_proj_weight if module._qkv_same_embed_dim else module.q_proj_weight
-    bias = module.q_proj_bias
-    if (
-        bias is not None
-        and getattr(weight, "_is_hf_initialized", False)
-        and not getattr(bias, "_is_hf_initialized", False)
-    ):
-        raise RuntimeError(
-            "slim_mha: the loader filled this attention module's projection weight but not q_proj_bias: "
-            "the checkpoint is in stock nn.MultiheadAttention's layout (in_proj_bias), which the loader "
-            "dropped as an unexpected key. Load it without slim_mha.patch() and run "
-            "slim_mha.convert(model), or migrate the checkpoint first with `slim-mha-migrate fold`"
-        )
+def slim_options(
+    *, check_equivariance: bool | None = None, check_equivariance_every: int = 1, skip_unread_weights: bool = False
+) -> dict:
+    """Slim's own options as the instance attributes that hold them, resolved and checked once."""
+    check, every = _equivariance.resolve_options(check_equivariance, check_equivariance_every)
+    return {
+        # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
+        # slim_mha.checking_equivariance() (see slim_mha.equivariance).
+        "check_equivariance": check,
+        "check_equivariance_every": every,
+        # Skip weights the caller provably discards (see slim_mha.unread_weights).
+        "skip_unread_weights": unread_weights.resolve_option(skip_unread_weights),
+    }
 
 
 def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:

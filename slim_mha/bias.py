@@ -39,6 +39,9 @@ __all__ = [
     "fold_key_bias",
     "unfold_key_bias",
     "zero_key_bias",
+    "key_bias",
+    "without_key_bias",
+    "restore_stock_layout",
     "fold_value_bias_into_output",
     "keeps_key_bias",
 ]
@@ -139,6 +142,60 @@ def zero_key_bias(
     folded = fold_key_bias(in_proj_bias, bias_k)
     packed, _ = unfold_key_bias(folded, embed_dim=in_proj_bias.shape[0] // 3)
     return packed, folded.bias_k
+
+
+def key_bias(in_proj_bias: Tensor | None, embed_dim: int) -> Tensor | None:
+    """``b_k``, the middle third of stock's packed bias (a view), or ``None`` without biases."""
+    return None if in_proj_bias is None else in_proj_bias[embed_dim : 2 * embed_dim]
+
+
+def without_key_bias(in_proj_bias: Tensor | None, embed_dim: int) -> Tensor | None:
+    """``[b_q; 0; b_v]``: the bias of the fused input projection, whatever the key slot holds.
+
+    Built from slices and a fresh zero block, so the key slot's gradient is exactly zero (not a sum
+    that cancels to rounding noise) and neither its value nor a NaN in it can reach the output.
+    ``embed_dim`` is passed rather than read off the shape, which ``jit.trace`` would record.
+    """
+    if in_proj_bias is None:
+        return None
+    E = embed_dim
+    return torch.cat((in_proj_bias[:E], in_proj_bias.new_zeros(E), in_proj_bias[2 * E :]))
+
+
+def restore_stock_layout(state_dict: dict, prefix: str, *, embed_dim: int, error_msgs: list[str]) -> None:
+    """Turn one module's key-bias-free entries (format version 1) into stock's, in ``state_dict``.
+
+    ``q_proj_bias``, ``v_proj_bias`` (absent when the value bias was folded) and, for
+    ``add_zero_attn`` modules, ``k_proj_bias`` become ``in_proj_bias``; a dropped key bias comes back
+    as a zero slot, so the stored ``bias_k`` (relative to it) stays as it is. Problems are appended
+    to ``error_msgs`` in ``load_state_dict``'s wording, naming the key.
+    """
+    present = {name: state_dict[prefix + name] for name in BIAS_NAMES if prefix + name in state_dict}
+    if not present:
+        return
+    listed = ", ".join(prefix + name for name in present)
+    if prefix + STOCK_BIAS_NAME in state_dict:
+        error_msgs.append(
+            f"{prefix}{STOCK_BIAS_NAME} and {listed} are both present: the state dict mixes stock's layout "
+            "with the key-bias-free one; keep one of them"
+        )
+        return
+    if "q_proj_bias" not in present:
+        error_msgs.append(f"missing key {prefix}q_proj_bias beside {listed}: the key-bias-free layout needs it")
+        return
+    mismatched = [
+        f"size mismatch for {prefix}{name}: copying a param with shape {tensor.shape} from checkpoint, "
+        f"the shape in current model is torch.Size([{embed_dim}])."
+        for name, tensor in present.items()
+        if tuple(tensor.shape) != (embed_dim,)
+    ]
+    if mismatched:
+        error_msgs.extend(mismatched)
+        return
+    for name in present:
+        del state_dict[prefix + name]
+    biases = SlimBiases(**{name: present.get(name) for name in BIAS_NAMES}, bias_k=state_dict.get(prefix + "bias_k"))
+    state_dict[prefix + STOCK_BIAS_NAME], _ = unfold_key_bias(biases, embed_dim=embed_dim)
 
 
 def fold_value_bias_into_output(

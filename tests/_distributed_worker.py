@@ -179,11 +179,96 @@ def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> None:
     dist.barrier()
 
 
+def attention_pair(build) -> list[nn.Module]:
+    """``build()`` unpatched (torch's own attention) and patched (slim), from the same seed."""
+    built = []
+    for patch in (False, True):
+        torch.manual_seed(0)
+        if patch:
+            with patched():
+                built.append(build())
+        else:
+            built.append(build())
+    assert not any(isinstance(m, SlimMultiheadAttention) for m in built[0].modules())
+    assert any(isinstance(m, SlimMultiheadAttention) for m in built[1].modules())
+    return built
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    error = (actual - expected).abs().max().item()
+    assert error <= 1e-5 * max(1.0, expected.abs().max().item()), f"{what}: slim off stock by {error:.3e}"
+
+
+def ddp_broadcasts_a_key_bias_written_per_rank(rank: int, world_size: int, out_dir: Path) -> None:
+    """Ranks that initialise differently, the key bias written through in_proj_bias: DDP's broadcast
+    makes every rank rank 0's model, on slim as on stock."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    outputs = []
+    for module in attention_pair(lambda: nn.MultiheadAttention(E, H, add_bias_kv=True, batch_first=True)):
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(rank)))
+        DistributedDataParallel(module)
+        assert_ranks_agree(module.state_dict(), world_size)
+        x = probe()
+        with torch.no_grad():
+            outputs.append(module(x, x, x)[0])
+    assert_close(outputs[1], outputs[0], "DDP-broadcast add_bias_kv attention")
+    if rank == 0:
+        (out_dir / "ddp-broadcast.ok").write_text("ok")
+
+
+def _on_meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def fsdp2_deferred_init_and_gradients_as_stock(rank: int, world_size: int, out_dir: Path) -> None:
+    """torchtitan's pattern: meta, fully_shard, to_empty, init through in_proj_bias; then gradients
+    read and clipped through in_proj_bias, and a frozen in_proj_bias. Slim against stock."""
+    fully_shard = import_fully_shard()
+    if isinstance(fully_shard, str):
+        return  # train_fsdp2 records why
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = []
+    for model in attention_pair(lambda: _on_meta(Model)):
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for index, (name, parameter) in enumerate(model.named_parameters()):
+                if name.endswith("in_proj_bias"):
+                    nn.init.constant_(parameter, 0.0)
+                else:
+                    nn.init.constant_(parameter, 0.01 * (index % 7) - 0.02)
+        model.attention.in_proj_bias.requires_grad_(False)  # frozen, as a user may freeze it
+        loss = loss_of(model(batch(rank, 0)))
+        loss.backward()
+        biases = [m.in_proj_bias for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+        assert all(b.grad is not None for b in biases[:-1]) and biases[-1].grad is None
+        norm = torch.nn.utils.clip_grad_norm_(biases[:-1], 1.0)
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
+        with torch.no_grad():
+            results.append((loss.detach(), norm.full_tensor() if hasattr(norm, "full_tensor") else norm, model(probe())))
+    (stock_loss, stock_norm, stock_out), (slim_loss, slim_norm, slim_out) = results
+    assert torch.isfinite(slim_out).all(), "slim's output is not finite after deferred initialisation"
+    assert_close(slim_loss, stock_loss, "FSDP2 loss")
+    assert_close(slim_norm, stock_norm, "FSDP2 clipped norm over in_proj_bias")
+    assert_close(slim_out, stock_out, "FSDP2 output after a step")
+    if rank == 0:
+        (out_dir / "fsdp2-idioms.ok").write_text("ok")
+
+
 def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """Both wrappers in one process group: spawning and importing torch dominate the test's time."""
+    """Every check in one process group: spawning and importing torch dominate the test's time."""
     join_group(rank, world_size, port)
     try:
         train_ddp(rank, world_size, Path(out_dir))
+        ddp_broadcasts_a_key_bias_written_per_rank(rank, world_size, Path(out_dir))
         train_fsdp2(rank, world_size, Path(out_dir))
+        if not (Path(out_dir) / "fsdp2-unsupported.txt").exists():
+            fsdp2_deferred_init_and_gradients_as_stock(rank, world_size, Path(out_dir))
     finally:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention, convert, fold_value_bias, patched, to_stock
+from slim_mha._swap import has_folded_value_bias
 from slim_mha.patching import PatchedMultiheadAttention
 
 E, H = 8, 2
@@ -70,7 +71,7 @@ def test_comparison_detects_a_wrong_function():
     stock = stock_attention(dict(bias=True))
     broken = convert(copy.deepcopy(stock))
     with torch.no_grad():
-        broken.v_proj_bias.zero_()
+        broken.in_proj_bias[2 * E :].zero_()
     with pytest.raises(AssertionError, match="output: max error"):
         assert_same_function(broken, stock, attention_inputs(stock))
 
@@ -135,15 +136,15 @@ def test_convert_shares_weights_and_keeps_device_dtype_flags_and_mode():
     stock.in_proj_bias.requires_grad_(False)
     stock.bias_v.requires_grad_(False)
     slim = convert(stock)
-    assert slim.in_proj_weight is stock.in_proj_weight and slim.out_proj is stock.out_proj
+    assert slim.out_proj is stock.out_proj
+    assert all(new is old for new, old in zip(slim.parameters(), stock.parameters(), strict=True))
     assert {p.dtype for p in slim.parameters()} == {torch.bfloat16}
     assert {p.device for p in slim.parameters()} == {torch.device("cpu")}
     assert not slim.training and not slim.out_proj.training
     flags = {name: p.requires_grad for name, p in slim.named_parameters()}
     assert flags == {
         "in_proj_weight": False,
-        "q_proj_bias": False,
-        "v_proj_bias": False,
+        "in_proj_bias": False,
         "bias_k": True,
         "bias_v": False,
         "out_proj.weight": True,
@@ -212,10 +213,9 @@ def test_fold_value_bias_keeps_the_eval_function(config):
     stock = stock_attention(config).eval()
     inputs = attention_inputs(stock)
     slim = convert(copy.deepcopy(stock))
-    saved = sum(p.numel() for p in slim.parameters())
     assert fold_value_bias(slim) is slim
-    assert slim.v_proj_bias is None and "v_proj_bias" not in slim.state_dict()
-    assert sum(p.numel() for p in slim.parameters()) == saved - E
+    assert has_folded_value_bias(slim) and torch.equal(slim.in_proj_bias[2 * E :], torch.zeros_like(slim.in_proj_bias[:E]))
+    assert list(slim.state_dict()) == list(stock.state_dict())
     assert_same_function(slim, stock, inputs)
     with pytest.raises(ValueError) as refused:
         to_stock(slim)
@@ -270,7 +270,7 @@ def test_fold_value_bias_is_allowed_in_training_without_dropout():
 def test_fold_value_bias_skips_modules_without_value_bias():
     slim = convert(stock_attention(dict(bias=False, add_zero_attn=True)))
     fold_value_bias(slim)  # nothing to fold, so add_zero_attn is no obstacle
-    assert slim.v_proj_bias is None and slim.q_proj_bias is None
+    assert not has_folded_value_bias(slim) and slim.in_proj_bias is None
 
 
 def test_fold_value_bias_refuses_training_with_dropout():
@@ -282,7 +282,7 @@ def test_fold_value_bias_refuses_training_with_dropout():
         "so folding is exact only in eval (as torch's fusion: 'Fusion only for eval!'). Call module.eval() first"
     )
     fold_value_bias(model.eval())
-    assert model[0].v_proj_bias is None
+    assert has_folded_value_bias(model[0])
 
 
 def test_fold_value_bias_refuses_zero_attention_and_stock_modules_before_changing_anything():
@@ -295,11 +295,11 @@ def test_fold_value_bias_refuses_zero_attention_and_stock_modules_before_changin
         "fold_value_bias: module 'zero' has add_zero_attn=True; its zero value token cannot absorb -b_v, "
         "so folding would change the output. Fold the other submodules one by one instead"
     )
-    assert good.v_proj_bias is not None, "a refused fold must not change any module"
+    assert not has_folded_value_bias(good), "a refused fold must not change any module"
     for name, tensor in good.state_dict().items():
         assert torch.equal(tensor, before[name]), name
 
     with pytest.raises(ValueError, match=r"module \(the root\) is a stock nn.MultiheadAttention.*slim_mha.convert"):
         fold_value_bias(STOCK_MHA(E, H))
     fold_value_bias(model["good"])
-    assert good.v_proj_bias is None
+    assert has_folded_value_bias(good)

@@ -72,6 +72,9 @@ def load_back(saved_file: Path, *, strip_prefix: str = "") -> None:
     torch.manual_seed(0)
     stock = worker.Model()  # built unpatched: torch's own attention
     assert all(type(m) is STOCK_MHA for m in stock.modules() if isinstance(m, STOCK_MHA))
+    stock.load_state_dict(slim.state_dict(), strict=True)  # stock's layout: no conversion needed
+    with torch.no_grad():
+        assert_close_scaled(stock(x), expected, "stock output, slim's state dict")
     stock.load_state_dict(to_stock(slim).state_dict(), strict=True)
     with torch.no_grad():
         assert_close_scaled(stock(x), expected, "stock output")
@@ -88,3 +91,16 @@ def test_fsdp2_trains_a_patched_model_in_sync(trained):
     if unsupported.exists():
         pytest.skip(unsupported.read_text())
     load_back(trained / "fsdp2.pt")
+
+
+def test_ddp_broadcast_reaches_a_key_bias_written_per_rank(trained):
+    """In the workers: ranks initialised differently agree after DDP's broadcast, slim as stock."""
+    assert (trained / "ddp-broadcast.ok").exists()
+
+
+def test_fsdp2_deferred_init_and_gradients_through_in_proj_bias_as_stock(trained):
+    """In the workers: meta, fully_shard, to_empty, init through in_proj_bias, clip and freeze it."""
+    unsupported = trained / "fsdp2-unsupported.txt"
+    if unsupported.exists():
+        pytest.skip(unsupported.read_text())
+    assert (trained / "fsdp2-idioms.ok").exists()

@@ -74,14 +74,11 @@ def test_eval_outputs_and_a_training_steps_gradients_match_stock():
     (stock_output, stock_input_grad, stock_parameters), (slim_output, slim_input_grad, slim_parameters) = results
     assert_close_scaled(slim_output, stock_output, "train output")
     assert_close_scaled(slim_input_grad, stock_input_grad, "input gradient")
-    shared = set(stock_parameters) & set(slim_parameters)
-    assert len(shared) == len(stock_parameters) - 1  # all but attn.in_proj_bias
-    for name in sorted(shared):
+    assert list(slim_parameters) == list(stock_parameters)
+    for name in stock_parameters:
         assert_close_scaled(slim_parameters[name].grad, stock_parameters[name].grad, f"grad {name}")
-    query_grad, key_grad, value_grad = stock_parameters["attn.in_proj_bias"].grad.chunk(3)
-    assert_close_scaled(slim_parameters["attn.q_proj_bias"].grad, query_grad, "grad q bias")
-    assert_close_scaled(slim_parameters["attn.v_proj_bias"].grad, value_grad, "grad v bias")
-    assert_close_scaled(torch.zeros_like(key_grad), key_grad, "stock's key-bias gradient")  # why slim drops it
+    key_grad = slim_parameters["attn.in_proj_bias"].grad.chunk(3)[1]
+    assert torch.equal(key_grad, torch.zeros_like(key_grad))  # stock's is rounding noise: why slim drops it
 
 
 @pytest.mark.parametrize("training", [False, True])

@@ -22,12 +22,13 @@ from slim_mha import SlimMultiheadAttention
 from _reference import STOCK_MHA, randomize_parameters
 
 BATCH, LENGTH, EMBED = 2, 16, 64
-# Ops slim may dispatch above stock's Python path. Measured: 10 in training with weights (12 on
-# torch 2.4.1), where slim builds the packed [b_q; 0; b_v] from its parameters (5 ops) and copies q,
-# k and v into head-major batches one by one (stock copies them in one op); 0 to 2 with a padding
-# mask; 7 to 39 fewer than stock without a graph or without weights. A per-head loop adds at least
-# six ops per head: 72 more at H=16 than at H=4.
-SLACK = 14
+# Ops slim may dispatch above stock's Python path. Measured: 16 in training with weights (about 18 on
+# torch 2.4.1), where slim builds the fused projection's bias [b_q; 0; b_v] from in_proj_bias (9 ops:
+# two slices, a fresh zero block and a cat; two of them are kernels) and copies q, k and v into
+# head-major batches one by one (stock copies them in one op); 0 to 2 with a padding mask; fewer than
+# stock without a graph or without weights. A per-head loop adds at least six ops per head: 72 more
+# at H=16 than at H=4.
+SLACK = 18
 
 WEIGHTS = {"none": {"need_weights": False}, "averaged": {}, "per_head": {"average_attn_weights": False}}
 CASES = list(itertools.product(WEIGHTS, ("train", "eval"), (False, True)))

@@ -1,13 +1,17 @@
 """Code that names ``in_proj_bias`` as the registered Parameter it is on stock, done to both, compared.
 
-Optimizer lists, ``clip_grad_norm_``, ``functional_call``, ``safetensors``/accelerate ``save_model``,
-DDP, ``prune``, ``register_parameter``, ``jit.trace``: each gets stock's numbers, or a refusal whose
-message names ``in_proj_bias`` and the fix. Never a silent difference.
+Optimizer lists (eager and compiled steps), ``clip_grad_norm_``, autograd hooks, copies of a model
+with its optimizer, ``jit.script`` mid-training, ``functional_call``, selecting parameters by name,
+parametrizations, ``prune``, fx, ``safetensors``/accelerate saving and loading, DDP, and a walk that
+fills ``parameters()`` in order: each must give stock's numbers. Never a silent difference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -15,11 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+import slim_mha
 from slim_mha import SlimMultiheadAttention, convert
 from tests._reference import STOCK_MHA, TOLERANCE, assert_close_scaled, randomize_parameters
 from tests.test_in_the_wild import CONFIGS, E, assert_same, inputs, stock_and_slim
-
-UNALIASED = "cannot reach q_proj_bias/v_proj_bias: their memory is managed by someone else"
 
 
 def loss_of(module, query, key, value):
@@ -53,7 +56,7 @@ def test_an_optimizer_given_in_proj_bias_by_attribute_trains_it_as_stock(optimiz
             step.step()
         module.eval()
     assert_same(stock, slim, f"after 5 {optimizer} steps over an explicit list")
-    assert not torch.equal(slim.q_proj_bias, stock_and_slim()[1].q_proj_bias)  # the bias did move
+    assert not torch.equal(slim.in_proj_bias[:E], stock_and_slim()[1].in_proj_bias[:E])  # the bias did move
 
 
 def test_module_zero_grad_clears_what_an_optimizer_over_in_proj_bias_reads():
@@ -67,28 +70,6 @@ def test_module_zero_grad_clears_what_an_optimizer_over_in_proj_bias_reads():
             loss_of(module, query, key, value).backward()
             step.step()
     assert_same(stock, slim, "after steps cleared by Module.zero_grad")
-
-
-def test_in_proj_bias_grad_is_the_parameters_gradients_and_writes_reach_them():
-    stock, slim = stock_and_slim()
-    query, key, value = inputs(stock)
-    assert slim.in_proj_bias.grad is None
-    for module in (stock, slim):
-        loss_of(module, query, key, value).backward()
-    packed = slim.in_proj_bias.grad
-    assert packed is slim.in_proj_bias.grad  # one tensor, as long as nothing replaces the parts' grads
-    assert_close_scaled(packed[:E], stock.in_proj_bias.grad[:E], "q slot")
-    assert_close_scaled(packed[2 * E :], stock.in_proj_bias.grad[2 * E :], "v slot")
-    assert torch.equal(packed[E : 2 * E], torch.zeros(E))  # the dropped key bias: stock's is rounding
-    packed.mul_(0.5)  # clip_grad_norm_ scales in place
-    assert torch.equal(slim.q_proj_bias.grad, packed[:E]) and torch.equal(slim.v_proj_bias.grad, packed[2 * E :])
-    slim.half()  # casts re-point each .grad's data in place: the packed gradient follows
-    assert slim.in_proj_bias.grad.dtype == torch.float16
-    assert slim.q_proj_bias.grad.data_ptr() == slim.in_proj_bias.grad.data_ptr()
-    slim.in_proj_bias.grad = None
-    assert slim.q_proj_bias.grad is None and slim.v_proj_bias.grad is None
-    with pytest.raises(RuntimeError, match=r"assigned grad has data of a different size: in_proj_bias is \(48,\)"):
-        slim.in_proj_bias.grad = torch.zeros(E)
 
 
 def test_clip_grad_norm_over_an_explicit_list_matches_stock():
@@ -105,20 +86,6 @@ def test_clip_grad_norm_over_an_explicit_list_matches_stock():
 
 
 # ------------------------------------------------------------------------ flags: freezing the bias
-
-
-@pytest.mark.parametrize("how", ["requires_grad_", "attribute"])
-def test_freezing_in_proj_bias_reaches_the_parameters_at_once(how):
-    _, slim = stock_and_slim()
-    if how == "requires_grad_":
-        slim.in_proj_bias.requires_grad_(False)
-    else:
-        slim.in_proj_bias.requires_grad = False
-    # Before any forward: a wrapper built now (DDP) must see the biases frozen.
-    assert not slim.q_proj_bias.requires_grad and not slim.v_proj_bias.requires_grad
-    assert not slim.in_proj_bias.requires_grad
-    slim.in_proj_bias.requires_grad_(True)
-    assert slim.q_proj_bias.requires_grad and slim.v_proj_bias.requires_grad
 
 
 @pytest.fixture
@@ -173,17 +140,6 @@ def test_accelerate_save_model_keeps_the_value_bias(tmp_path, capfd):
     assert_same(stock, target, "after accelerate's save_model and a strict reload")
 
 
-def test_state_dict_entries_still_write_through_to_the_parameters():
-    """EMA code copies into state_dict()'s tensors: entries with storages of their own still alias."""
-    _, slim = stock_and_slim()
-    state = slim.state_dict()
-    assert state["q_proj_bias"].untyped_storage().data_ptr() != state["v_proj_bias"].untyped_storage().data_ptr()
-    state["q_proj_bias"].fill_(0.5)
-    state["v_proj_bias"].fill_(-0.5)
-    assert torch.equal(slim.q_proj_bias.detach(), torch.full((E,), 0.5))
-    assert torch.equal(slim.in_proj_bias.detach()[2 * E :], torch.full((E,), -0.5))
-
-
 # ------------------------------------------------------------------------------ functional_call
 
 
@@ -201,7 +157,6 @@ def test_functional_call_with_stock_names_computes_stock_and_leaves_the_module_a
     expected_gradient = torch.autograd.grad(expected.pow(2).sum(), fast["in_proj_bias"])[0]
     assert_close_scaled(gradient, expected_gradient, "gradient reaching the passed in_proj_bias")
     assert dict(slim.named_parameters()) == before  # the very objects optimizers hold
-    assert slim.in_proj_bias is slim.in_proj_bias and slim.q_proj_bias.data_ptr() == slim.in_proj_bias.data_ptr()
     assert_same(stock, slim, "after functional_call")
 
 
@@ -217,12 +172,14 @@ def test_functional_call_with_stock_parameter_objects_restores_the_module():
     assert dict(slim.named_parameters()) == before and slim.in_proj_bias is packed
 
 
-def test_functional_call_strict_with_stock_names_is_refused_by_name():
+def test_functional_call_strict_with_stock_names_computes_stock():
     stock, slim = stock_and_slim()
-    with pytest.raises(RuntimeError) as refused:
-        torch.func.functional_call(slim, dict(stock.named_parameters()), inputs(stock), strict=True)
-    assert "Unexpected key(s): 'in_proj_bias'" in str(refused.value)
-    assert "Missing key(s): 'q_proj_bias', 'v_proj_bias'" in str(refused.value)
+    query, key, value = inputs(stock)
+    other = {name: tensor * 0.5 for name, tensor in stock.named_parameters()}
+    with torch.no_grad():
+        expected = torch.func.functional_call(stock, other, (query, key, value), strict=True)[0]
+        actual = torch.func.functional_call(slim, other, (query, key, value), strict=True)[0]
+    assert_close_scaled(actual, expected, "strict functional_call")
 
 
 def test_vmap_ensembling_over_stock_modules_through_functional_call():
@@ -249,59 +206,19 @@ def test_register_parameter_in_proj_bias_registers_it_as_stock_does():
     for module in (stock, slim):
         module.register_parameter("in_proj_bias", nn.Parameter(new.clone()))
     assert_same(stock, slim, "after register_parameter('in_proj_bias', ...)")
-    assert torch.equal(slim.q_proj_bias.detach(), new[:E])
+    assert slim.in_proj_bias is slim._parameters["in_proj_bias"] and torch.equal(slim.in_proj_bias.detach(), new)
 
 
-def test_prune_on_in_proj_bias_is_refused_before_anything_changes():
+def test_prune_on_in_proj_bias_prunes_as_on_stock():
     prune = pytest.importorskip("torch.nn.utils.prune")
     stock, slim = stock_and_slim()
-    before = dict(slim.named_parameters())
-    with pytest.raises(ValueError) as refused:
-        prune.l1_unstructured(slim, "in_proj_bias", amount=0.3)
-    assert str(refused.value) == (
-        "cannot register in_proj_bias as parameter 'in_proj_bias_orig': SlimMultiheadAttention's parameters are "
-        "q_proj_bias and v_proj_bias (in_proj_bias is their packed view, not a registered parameter). Prune or "
-        "re-register q_proj_bias/v_proj_bias instead, or use slim_mha.to_stock(module)"
-    )
-    assert dict(slim.named_parameters()) == before and not slim._forward_pre_hooks
-    prune.l1_unstructured(slim, "q_proj_bias", amount=0.3)  # the named fix works
-    assert int((slim.q_proj_bias == 0).sum()) >= int(0.3 * E)
-
-
-# --------------------------------------------- in_proj_bias over memory someone else manages
-
-
-def test_writes_and_optimizers_on_a_computed_in_proj_bias_refuse_loudly():
-    stock, slim = stock_and_slim()
     for module in (stock, slim):
-        vector_to_parameters(parameters_to_vector(module.parameters()).clone(), module.parameters())
-    assert_same(stock, slim, "after vector_to_parameters")
-    assert int(slim.in_proj_bias[0]) == int(stock.in_proj_bias[0]) and len(list(slim.in_proj_bias)) == 3 * E
-    read, expected = slim.in_proj_bias.detach().clone(), stock.in_proj_bias.detach()
-    assert type(read) is torch.Tensor  # a copy of a computed in_proj_bias is a plain tensor
-    assert_close_scaled(read[:E], expected[:E], "q slot read")  # reads are exact
-    assert_close_scaled(read[2 * E :], expected[2 * E :], "v slot read")
-    for write in (
-        lambda bias: nn.init.zeros_(bias),
-        lambda bias: bias.data.copy_(torch.zeros(3 * E)),
-        lambda bias: bias.detach().add_(1.0),
-        lambda bias: bias.requires_grad_(False),
-        lambda bias: setattr(bias, "data", torch.zeros(3 * E)),
-        lambda bias: bias.__iadd__(1.0),  # bias += 1.0
-        lambda bias: bias.__setitem__(0, 1.0),  # bias[0] = 1.0
-    ):
-        with pytest.raises(RuntimeError, match=UNALIASED):
-            with torch.no_grad():
-                write(slim.in_proj_bias)
-    query, key, value = inputs(stock)
-    loss_of(slim, query, key, value).backward()
-    with pytest.raises(RuntimeError, match=UNALIASED):
-        torch.nn.utils.clip_grad_norm_([slim.in_proj_weight, slim.in_proj_bias], 1.0)
-    slim.to(slim.q_proj_bias.device)  # the fix the message names: memory of their own again
+        prune.l1_unstructured(module, "in_proj_bias", amount=0.3)
+    assert_same(stock, slim, "after pruning in_proj_bias")
+    assert torch.equal(slim.in_proj_bias_mask, stock.in_proj_bias_mask)
     for module in (stock, slim):
-        with torch.no_grad():
-            nn.init.zeros_(module.in_proj_bias)
-    assert_same(stock, slim, "after the fix and a write")
+        prune.remove(module, "in_proj_bias")
+    assert [name for name, _ in slim.named_parameters()] == [name for name, _ in stock.named_parameters()]
 
 
 # ----------------------------------------------------------------------------- shapes and traces
@@ -359,7 +276,7 @@ def masked_transformer_gradients(model, dtype, weighting, generator_seed=0):
     (out.float() * weighting).sum().backward()
     gradients = {"src": src.grad, "tgt": tgt.grad}
     for name, parameter in model.named_parameters():
-        if parameter.grad is not None and not name.endswith("proj_bias"):  # the bias layouts differ
+        if parameter.grad is not None:
             gradients[name] = parameter.grad
     return {name: grad.float() for name, grad in gradients.items()}
 
@@ -380,3 +297,237 @@ def test_bf16_masked_transformer_gradients_are_as_close_to_fp32_as_stock_s(weigh
         slim_error = (slim_grads[name] - reference).abs().max().item()
         bound = 2 * stock_error + TOLERANCE[torch.bfloat16] * reference.abs().max().item()
         assert slim_error <= bound, f"{name}: slim {slim_error:.3e} > {bound:.3e} (stock {stock_error:.3e})"
+
+
+# ------------------------------------------------------------ idioms that hold by construction
+
+
+def train_steps(module, optimizer, steps=3, seed=5, loss=None):
+    """SGD-style steps on self-attention over seeded tokens; ``loss(module, x)`` for other modules."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 3, E, generator=generator)
+        optimizer.zero_grad()
+        (loss(module, x) if loss else loss_of(module, x, x, x)).backward()
+        optimizer.step()
+
+
+class SelfAttention(nn.Module):
+    """A model around one attention module, as scripts and tracers see models."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x):
+        return self.attention(x, x, x)[0]
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adam(p, lr=0.05)], ids=["sgd", "adam"])
+def test_a_compiled_optimizer_step_over_in_proj_bias_trains_it_as_stock(make):
+    stock, slim = stock_and_slim()
+    for module in (stock, slim):
+        optimizer = make(listed_parameters(module))
+        step = torch.compile(optimizer.step, backend="eager")
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            query = torch.randn(5, 3, E, generator=generator)
+            optimizer.zero_grad()
+            loss_of(module, query, query, query).backward()
+            step()
+    assert not torch.equal(slim.in_proj_bias[:E], stock_and_slim()[1].in_proj_bias[:E])
+    assert_same(stock, slim, "after compiled optimizer steps")
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
+def test_a_copy_of_model_and_optimizer_keeps_training_the_biases(copier):
+    stock, slim = stock_and_slim(**CONFIGS["bias_kv"])
+    copies = []
+    for module in (stock, slim):
+        bundle = {"model": module, "optimizer": torch.optim.SGD(listed_parameters(module), lr=0.1)}
+        if copier == "deepcopy":
+            bundle = copy.deepcopy(bundle)
+        else:
+            buffer = io.BytesIO()
+            torch.save(bundle, buffer)
+            buffer.seek(0)
+            bundle = torch.load(buffer, weights_only=False)
+        assert bundle["optimizer"].param_groups[0]["params"][1] is bundle["model"].in_proj_bias
+        train_steps(bundle["model"], bundle["optimizer"])
+        copies.append(bundle["model"])
+    assert not torch.equal(copies[1].in_proj_bias[:E], slim.in_proj_bias[:E])  # the copy's biases moved
+    assert_same(*copies, f"copies trained after {copier}")
+
+
+def test_jit_script_mid_training_leaves_the_optimizer_training_the_same_parameters():
+    stock, slim = stock_and_slim()
+    models = [SelfAttention(stock), SelfAttention(slim)]
+    for model in models:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_steps(model.attention, optimizer, steps=2, seed=1)
+        scripted = torch.jit.script(model)  # torch swaps slim for stock in model's own _modules
+        train_steps(model.attention, optimizer, steps=2, seed=2)  # eager training goes on
+        assert model.attention.in_proj_bias is optimizer.param_groups[0]["params"][1]
+        query = inputs(model.attention)[0]
+        with torch.no_grad():
+            assert_close_scaled(scripted(query), model(query), "scripted against eager")
+    assert_same(models[0].attention, models[1].attention, "after scripting mid-training")
+
+
+def test_autograd_hooks_and_targeted_backward_on_in_proj_bias_work_as_on_stock():
+    stock, slim = stock_and_slim()
+    query, key, value = inputs(stock)
+    keep_query_slot = torch.cat([torch.ones(E), torch.zeros(2 * E)])
+    accumulated = {}
+    for module in (stock, slim):
+        module.in_proj_bias.register_hook(lambda grad: grad * keep_query_slot)  # b_k and b_v frozen
+        module.in_proj_bias.register_post_accumulate_grad_hook(lambda p, m=module: accumulated.setdefault(id(m), []).append(1))
+        optimizer = torch.optim.SGD(listed_parameters(module), lr=0.5)
+        before = module.in_proj_bias.detach().clone()
+        train_steps(module, optimizer)
+        assert torch.equal(module.in_proj_bias[2 * E :].detach(), before[2 * E :]), "the masked b_v trained"
+    assert len(accumulated[id(slim)]) == len(accumulated[id(stock)]) == 3
+    assert_same(stock, slim, "after training with a gradient hook on in_proj_bias")
+    for module in (stock, slim):
+        module.zero_grad(set_to_none=True)
+        loss_of(module, query, key, value).backward(inputs=[module.in_proj_bias])
+        assert module.in_proj_bias.grad is not None and module.in_proj_weight.grad is None
+        gradient = torch.autograd.grad(loss_of(module, query, key, value), [module.in_proj_bias], allow_unused=True)[0]
+        assert gradient is not None
+    assert_close_scaled(slim.in_proj_bias.grad, stock.in_proj_bias.grad, "backward(inputs=[in_proj_bias])")
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_a_key_bias_written_through_in_proj_bias_survives_copies(copier):
+    stock, slim = stock_and_slim(**CONFIGS["bias_kv"])
+    copied = []
+    for module in (stock, slim):
+        with torch.no_grad():
+            nn.init.normal_(module.in_proj_bias, generator=torch.Generator().manual_seed(4))
+        if copier == "deepcopy":
+            copied.append(copy.deepcopy(module))
+        elif copier == "copy":
+            copied.append(copy.copy(module))
+        elif copier == "pickle":
+            copied.append(pickle.loads(pickle.dumps(module)))
+        else:
+            buffer = io.BytesIO()
+            torch.save(module, buffer)
+            buffer.seek(0)
+            copied.append(torch.load(buffer, weights_only=False))
+    assert copied[1].in_proj_bias[E : 2 * E].abs().max() > 0.1
+    assert_same(*copied, f"after {copier}")
+
+
+@pytest.mark.parametrize("name", ["bias", "bias_kv", "zero_attn"])
+def test_an_init_over_in_proj_bias_after_loading_a_stock_state_dict_matches_stock(name):
+    stock, slim = stock_and_slim(**CONFIGS[name])
+    slim.load_state_dict(stock.state_dict())  # a nonzero key bias, loaded as stock's own
+    for module in (stock, slim):
+        with torch.no_grad():
+            nn.init.normal_(module.in_proj_bias, generator=torch.Generator().manual_seed(8))
+    assert_same(stock, slim, "after nn.init.normal_(in_proj_bias)")
+
+
+def test_selecting_parameters_by_name_gives_stocks_groups():
+    stock, slim = stock_and_slim()
+    for module in (stock, slim):
+        for name, parameter in module.named_parameters():
+            if name.endswith("in_proj_bias"):
+                parameter.requires_grad_(False)
+        groups = [
+            {"params": [p for n, p in module.named_parameters() if "in_proj" in n and p.requires_grad], "lr": 0.5},
+            {"params": [p for n, p in module.named_parameters() if "in_proj" not in n], "lr": 0.01},
+        ]
+        train_steps(module, torch.optim.SGD(groups))
+    names = lambda m: [(n, p.requires_grad) for n, p in m.named_parameters()]  # noqa: E731
+    assert names(slim) == names(stock)
+    assert_same(stock, slim, "after training with groups chosen by name")
+
+
+@pytest.mark.parametrize("how", ["register_parametrization", "weight_norm"])
+def test_parametrizations_on_in_proj_bias_work_as_on_stock(how):
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Scaled(nn.Module):
+        def forward(self, bias):
+            return 2.0 * bias
+
+    stock, slim = stock_and_slim()
+    for module in (stock, slim):
+        if how == "weight_norm":
+            weight_norm(module, name="in_proj_bias", dim=0)
+        else:
+            parametrize.register_parametrization(module, "in_proj_bias", Scaled())
+    assert_same(stock, slim, f"after {how} on in_proj_bias")
+    for module in (stock, slim):
+        train_steps(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    assert [n for n, _ in slim.named_parameters()] == [n for n, _ in stock.named_parameters()]
+    assert_same(stock, slim, f"after training with {how}")
+
+
+def test_resuming_a_stock_optimizer_after_patch_continues_as_stock(tmp_path):
+    layer_loss = lambda layer, x: layer(x).pow(2).mean()  # noqa: E731
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(E, 4, 32, dropout=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train_steps(model, optimizer, loss=layer_loss)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "resume.pt")
+    resumed = []
+    for patch in (False, True):
+        state = torch.load(tmp_path / "resume.pt", weights_only=True)
+        with slim_mha.patched() if patch else contextlib.nullcontext():
+            again = nn.TransformerEncoderLayer(E, 4, 32, dropout=0.0)
+        assert isinstance(again.self_attn, SlimMultiheadAttention) == patch
+        again.load_state_dict(state["model"])
+        again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.01)
+        again_optimizer.load_state_dict(state["optimizer"])
+        train_steps(again, again_optimizer, seed=9, loss=layer_loss)
+        resumed.append(again.eval())
+    x = torch.randn(6, 2, E)
+    with torch.no_grad():
+        assert_close_scaled(resumed[1](x), resumed[0](x), "resumed under patch")
+
+
+def test_accelerate_empty_init_and_dispatch_of_a_stock_checkpoint_under_patch(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    from safetensors.torch import save_file
+
+    stock = nn.Sequential(randomize_parameters(STOCK_MHA(E, 4, add_bias_kv=True)).eval())
+    save_file({k: v.contiguous() for k, v in stock.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with slim_mha.patched(), accelerate.init_empty_weights():
+        model = nn.Sequential(nn.MultiheadAttention(E, 4, add_bias_kv=True))
+    assert isinstance(model[0], SlimMultiheadAttention) and model[0].in_proj_bias.is_meta
+    model = accelerate.load_checkpoint_and_dispatch(model, str(tmp_path / "model.safetensors"), device_map={"": "cpu"})
+    assert_same(stock[0], model[0].eval(), "dispatched stock checkpoint")
+
+
+def test_fx_symbolic_trace_records_slim_attention_as_a_call_like_stock():
+    class Block(nn.Module):
+        def __init__(self, attention):
+            super().__init__()
+            self.norm, self.attention = nn.LayerNorm(E), attention
+
+        def forward(self, x):
+            h = self.norm(x)
+            out, _ = self.attention(h, h, h, need_weights=False)
+            return x + out
+
+    stock, slim = stock_and_slim(batch_first=True)
+    traced = {name: torch.fx.symbolic_trace(Block(module)) for name, module in (("stock", stock), ("slim", slim))}
+    assert [node.op for node in traced["slim"].graph.nodes] == [node.op for node in traced["stock"].graph.nodes]
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        assert_close_scaled(traced["slim"](x), traced["stock"](x), "fx-traced block")
+
+
+@pytest.mark.parametrize("name", ["bias", "bias_kv", "zero_attn", "kdim_vdim"])
+def test_a_walk_filling_parameters_in_order_gives_stocks_model(name):
+    """As torch's own transformer tests fill a model: cos(arange(n)) into parameters() in order."""
+    modules = (STOCK_MHA(E, 4, **CONFIGS[name]).eval(), SlimMultiheadAttention(E, 4, **CONFIGS[name]).eval())
+    for module in modules:
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.copy_(torch.cos(torch.arange(parameter.numel(), dtype=torch.float32)).view_as(parameter))
+    assert_same(*modules, "after the parameter walk")
