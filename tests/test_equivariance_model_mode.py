@@ -515,3 +515,16 @@ def test_inputs_that_do_not_fit_dim_say_which_call_and_input():
                                          r"tensor without 6 tokens along the permuted axis\).* from 6 to 40, outside 0..5"):
         with checking_equivariance(counted, dim=1):
             counted(torch.randn(B, N, D), torch.tensor([40, 6]))
+
+
+def test_the_python_blocks_of_docs_equivariance_run_as_written(capsys):
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "equivariance.md")
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    assert len(blocks) == 3
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"docs/equivariance.md block {index}", "exec"), {"__name__": f"docs_block_{index}"})
+    printed = capsys.readouterr().out
+    assert "the break is in the code in `SetModel.forward` between `embed` (call 1) and `attention` (call 1)" in printed
+    assert "module_name: ''" in printed
