@@ -528,3 +528,18 @@ def test_the_python_blocks_of_docs_equivariance_run_as_written(capsys):
     printed = capsys.readouterr().out
     assert "the break is in the code in `SetModel.forward` between `embed` (call 1) and `attention` (call 1)" in printed
     assert "module_name: ''" in printed
+
+
+def test_functional_dropout_left_on_would_be_a_false_alarm(monkeypatch):
+    """Why the comparison zeroes functional dropout: its random mask does not follow the tokens."""
+    from slim_mha.equivariance import _checker
+
+    class PassThrough(_checker.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(_checker, "_WithoutFunctionalDropout", PassThrough)
+    torch.manual_seed(0)
+    model = Everything().train()
+    with pytest.raises(EquivarianceError), checking_equivariance(model, dim=1):
+        model(torch.randn(B, N, D))

@@ -1,5 +1,8 @@
 """The assertion mode: slim attention calls check their own permutation equivariance as they run.
 
+With ``dim``, :func:`checking_equivariance` also checks the model's own calls (:mod:`._model_mode`);
+this file owns the scopes and the per-call check of slim attention.
+
 Switched on per module (``check_equivariance=True``, or the attribute of that name), for every slim
 module called inside ``with checking_equivariance():``, or for the whole process with the
 environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE``. ``check_equivariance=False`` opts a module out
