@@ -524,8 +524,14 @@ def test_a_bound_method_of_a_module_is_searched_and_module_can_be_given():
     model = BrokenOutputOnly()
     with pytest.raises(EquivarianceError, match="no submodule call breaks it"):
         assert_permutation_equivariant(model.forward, tokens(B, N, D))
-    with pytest.raises(EquivarianceError, match="no submodule call breaks it"):
+    # Through a lambda, the module's own call is located too: the break is in its code, not the lambda's.
+    line = _line_of(BrokenOutputOnly.forward, "return self.layer(x)")
+    with pytest.raises(EquivarianceError) as caught:
         assert_permutation_equivariant(lambda x: model(x), tokens(B, N, D), module=model)
+    assert "'BrokenOutputOnly' (BrokenOutputOnly, call 1), after 1 submodule call that kept it" in str(caught.value)
+    assert (f"its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
+            f"`layer` (call 1) ({_path()}, line {line})") in str(caught.value)
+    assert caught.value.module_name == ""
 
 
 class DataDependent(nn.Module):

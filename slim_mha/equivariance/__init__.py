@@ -15,7 +15,8 @@ test and every check here compares within a tolerance from :data:`TOLERANCE`, re
 output's largest magnitude.
 
 * :func:`checking_equivariance`, ``SlimMultiheadAttention(check_equivariance=True)`` and the
-  environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE`` make slim attention check its own calls.
+  environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE`` make slim attention check its own calls;
+  ``checking_equivariance(model, dim=...)`` checks the model's own calls as well, as a whole.
 * :func:`assert_permutation_equivariant`, :func:`assert_permutation_invariant` and
   :func:`permutation_equivariance_error` check any function or model, and name where the property
   first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).

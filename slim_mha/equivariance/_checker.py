@@ -18,14 +18,17 @@ asked: the report says which reading its output does match).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from . import _mode
+from . import _context
 from ._locate import Culprit, SubmoduleCheck, compare_calls, flatten, readings, recording
 from ._measure import EquivarianceError, draw_permutation, format_indices, measure_error, permute
 from ._report import OutputCheck, PermutationErrors, blamed_module, format_permutation_error, format_shape, subject_of
@@ -108,21 +111,55 @@ def permutation_equivariance_error(
         ValueError: for axes out of range, permuted axes of different lengths, or an output whose
             expected axis does not have the number of tokens.
     """
-    kwargs = dict(kwargs or {})
-    input_dims = _input_dims(dim, inputs)
-    length = _token_count(inputs, input_dims)
-    if permutation is None:
-        permutation = draw_permutation(length, seed)
-    else:
-        permutation, seed = _checked_permutation(permutation, length), None
-    module = _module_of(fn) if module is None else module
-    permuted = _permute_inputs(inputs, input_dims, permutation)
+    call = CheckedCall(fn, inputs, dim, output_dim, dict(kwargs or {}), _module_of(fn) if module is None else module)
+    return measure(call, seed=seed, permutation=permutation, submodules=submodules)
 
-    with _check_conditions(module, inputs) as rewind, _mode.naming(module):
-        with recording(module if submodules else None) as original_calls:
-            reference = fn(*inputs, **kwargs)
+
+@dataclass(frozen=True)
+class CheckedCall:
+    """One call to check, as the public checkers and the model-level mode describe it.
+
+    Attributes:
+        fn: called as ``fn(*inputs, **kwargs)``.
+        inputs: the inputs that ``dim`` describes.
+        dim, output_dim: as :func:`permutation_equivariance_error` takes them.
+        kwargs: passed unchanged to both calls.
+        module: whose submodules are searched and whose dropout is switched off.
+        subject: how reports name what was checked (default: ``fn``'s class or qualified name).
+        input_names: how reports name the inputs (default: ``input 0``, ``input 1``...).
+        wraps_module: whether ``fn`` may do work of its own around ``module`` (a lambda, a
+            function): then ``module``'s own call is located like its submodules', so a break in
+            its code is told apart from one in ``fn``'s.
+    """
+
+    fn: Callable
+    inputs: tuple
+    dim: object
+    output_dim: object
+    kwargs: dict
+    module: nn.Module | None
+    subject: str = ""
+    input_names: tuple[str, ...] = ()
+    wraps_module: bool | None = None
+
+
+def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, submodules: bool) -> PermutationErrors:
+    """Run ``call`` on its inputs and on permuted inputs, and measure every output's error."""
+    plan = _input_plan(call.dim, call.inputs)
+    if permutation is None:
+        permutation = draw_permutation(plan.length, seed)
+    else:
+        permutation, seed = _checked_permutation(permutation, plan.length), None
+    module, fn, kwargs = call.module, call.fn, call.kwargs
+    permuted = _permute_inputs(call.inputs, plan, permutation)
+    wraps_module = (fn is not module) if call.wraps_module is None else call.wraps_module
+    record = module if submodules else None
+
+    with _check_conditions(module, call.inputs) as rewind, _context.naming(module):
+        with recording(record, include_root=wraps_module) as original_calls:
+            reference = fn(*call.inputs, **kwargs)
         rewind()
-        with recording(module if submodules else None) as permuted_calls:
+        with recording(record, include_root=wraps_module) as permuted_calls:
             result = fn(*permuted, **kwargs)
 
     reference_leaves, result_leaves = flatten(reference, "output"), flatten(result, "output")
@@ -132,23 +169,25 @@ def permutation_equivariance_error(
             f"({[n for n, _ in reference_leaves]} vs {[n for n, _ in result_leaves]}); "
             "the checker compares outputs element by element, so fn must return the same structure"
         )
-    expected_dims = _output_dims(output_dim, dim, input_dims, reference_leaves, length)
+    expected_dims = _output_dims(call.output_dim, call.dim, plan.dims, reference_leaves, plan.length)
     outputs = tuple(
-        _check_output(name, actual, expected, dims, length, permutation)
+        _check_output(name, actual, expected, dims, plan.length, permutation)
         for (name, expected), (_, actual), dims in zip(reference_leaves, result_leaves, expected_dims)
         if isinstance(expected, Tensor) and isinstance(actual, Tensor)
     )
     submodule_checks, note = (None, "")
     if submodules and module is not None:
-        submodule_checks, note = compare_calls(original_calls, permuted_calls, length, permutation)
+        submodule_checks, note = compare_calls(original_calls, permuted_calls, plan.length, permutation)
     return PermutationErrors(
-        subject=subject_of(fn),
+        subject=call.subject or subject_of(fn),
         outputs=outputs,
         permutation=permutation,
         seed=seed,
-        input_dims=input_dims,
+        input_dims=plan.dims,
         submodules=submodule_checks,
         submodule_note=note,
+        relabelled=plan.relabelled,
+        input_names=call.input_names,
     )
 
 
@@ -198,9 +237,11 @@ def assert_permutation_equivariant(
     """
     __tracebackhide__ = True
     _check_tolerance(tolerance)
-    options = dict(dim=dim, output_dim=output_dim, kwargs=kwargs, module=module)
-    result = permutation_equivariance_error(fn, *inputs, seed=seed, permutation=permutation, **options)
-    _raise_if_broken(fn, inputs, result, tolerance, options)
+    call = CheckedCall(fn, inputs, dim, output_dim, dict(kwargs or {}), _module_of(fn) if module is None else module)
+    result = measure(call, seed=seed, permutation=permutation, submodules=False)
+    error = error_for(call, result, tolerance)
+    if error is not None:
+        raise error
     return result
 
 
@@ -222,9 +263,11 @@ def assert_permutation_invariant(
     """
     __tracebackhide__ = True
     _check_tolerance(tolerance)
-    options = dict(dim=dim, output_dim=None, kwargs=kwargs, module=module)
-    result = permutation_equivariance_error(fn, *inputs, seed=seed, permutation=permutation, **options)
-    _raise_if_broken(fn, inputs, result, tolerance, options)
+    call = CheckedCall(fn, inputs, dim, None, dict(kwargs or {}), _module_of(fn) if module is None else module)
+    result = measure(call, seed=seed, permutation=permutation, submodules=False)
+    error = error_for(call, result, tolerance)
+    if error is not None:
+        raise error
     return result
 
 
@@ -236,18 +279,16 @@ def _check_tolerance(tolerance: float | None) -> None:
         )
 
 
-def _raise_if_broken(fn: Callable, inputs: tuple, result: PermutationErrors, tolerance: float | None, options: dict):
-    __tracebackhide__ = True
+def error_for(call: CheckedCall, result: PermutationErrors, tolerance: float | None) -> EquivarianceError | None:
+    """``None`` when ``result`` passed; else the error, located (both runs repeated with hooks,
+    on the same permutation) when there is a module to search."""
     if result.passed(tolerance):
-        return
-    module = _module_of(fn) if options["module"] is None else options["module"]
-    if module is not None:  # Run again with the hooks, on the same permutation, to find the culprit.
-        located = permutation_equivariance_error(
-            fn, *inputs, permutation=result.permutation, submodules=True, **options
-        )
+        return None
+    if call.module is not None:
+        located = measure(call, seed=None, permutation=result.permutation, submodules=True)
         result = replace(located, seed=result.seed)
     broken = tuple(output.error for output in result.outputs if not output.error.passed(tolerance))
-    raise EquivarianceError(
+    return EquivarianceError(
         format_permutation_error(result, tolerance),
         errors=broken,
         module_name=blamed_module(result, tolerance),
@@ -260,34 +301,108 @@ def _raise_if_broken(fn: Callable, inputs: tuple, result: PermutationErrors, tol
 # ------------------------------------------------------------------------------ the arguments
 
 
-def _input_dims(dim, inputs: tuple) -> tuple[tuple[int, ...], ...]:
+INDICES = "indices"  # a dim entry: the input holds token indices, relabelled by the permutation
+
+
+@dataclass(frozen=True)
+class _InputPlan:
+    """What a permutation does to each input.
+
+    dims: the axes each input is moved along (``()``: not moved). relabelled: the inputs that hold
+    token indices (``edge_index``): each value ``i`` becomes the new position of token ``i``.
+    length: the number of tokens.
+    """
+
+    dims: tuple[tuple[int, ...], ...]
+    relabelled: tuple[int, ...]
+    length: int
+
+
+def _input_plan(dim, inputs: tuple) -> _InputPlan:
+    """The input rules.
+
+    An int ``dim`` moves every floating-point, complex or boolean tensor input along that axis. An
+    integer tensor input is moved too when that axis has the number of tokens (token ids, a node's
+    graph in a batch), and otherwise holds token indices (``edge_index``, a gather index) and is
+    relabelled. A sequence gives each input its entry: an axis, a tuple of axes, ``"indices"`` to
+    relabel, or ``None`` to pass it unchanged.
+    """
     if not inputs:
         raise ValueError("no inputs given: pass the tensors to permute after fn, e.g. (fn, x, dim=1)")
     if dim is None:
         raise ValueError("dim=None permutes nothing: pass the token axis, as an int or one entry per input")
-    if isinstance(dim, int):
-        entries = [dim if isinstance(x, Tensor) else None for x in inputs]
-    elif isinstance(dim, Sequence) and not isinstance(dim, str):
-        if len(dim) != len(inputs):
-            raise ValueError(
-                f"dim has {len(dim)} entries but {len(inputs)} inputs were given: pass one entry per "
-                "input (None for an input that is not permuted), or a single int for all of them"
-            )
-        entries = list(dim)
-    else:
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        return _plan_for_one_axis(dim, inputs)
+    if not (isinstance(dim, Sequence) and not isinstance(dim, str)):
         raise ValueError(f"dim must be an int or a sequence with one entry per input, got {dim!r}")
-    result = []
-    for index, (x, entry) in enumerate(zip(inputs, entries)):
-        where = f"dim[{index}]" if not isinstance(dim, int) else "dim"
+    if len(dim) != len(inputs):
+        raise ValueError(
+            f"dim has {len(dim)} entries but {len(inputs)} inputs were given: pass one entry per "
+            "input (None for an input that is not permuted), or a single int for all of them"
+        )
+    dims, relabelled = [], []
+    for index, (x, entry) in enumerate(zip(inputs, dim)):
+        where = f"dim[{index}]"
         if entry is not None and not isinstance(x, Tensor):
             raise ValueError(
                 f"{where}={entry!r} but input {index} is a {type(x).__name__}, not a tensor: pass None for it"
             )
-        if entry is None:
-            result.append(())
+        if entry == INDICES:
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise ValueError(
+                    f"{where}={INDICES!r} but input {index} is {x.dtype}: only integer tensors hold token indices"
+                )
+            relabelled.append(index)
+            dims.append(())
         else:
-            result.append(_axes_of(entry, x.dim(), f"{where} for input {index} {format_shape(tuple(x.shape))}"))
-    return tuple(result)
+            dims.append(_axes_of(entry, None if x is None else getattr(x, "ndim", None),
+                                 f"{where} for input {index} {_shape_of(x)}"))
+    plan = _InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+    _check_indices(inputs, plan)
+    return plan
+
+
+def _plan_for_one_axis(dim: int, inputs: tuple) -> _InputPlan:
+    def integer(x) -> bool:
+        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+    tensors = [(index, x) for index, x in enumerate(inputs) if isinstance(x, Tensor)]
+    if not tensors:
+        raise ValueError("no input is a tensor: dim=int permutes the tensor inputs, and there is none")
+    # The number of tokens: from the first non-integer input, else from the first integer one.
+    first_index, first = next(((index, x) for index, x in tensors if not integer(x)), tensors[0])
+    first_axes = _axes_of(dim, first.ndim, f"dim for input {first_index} {_shape_of(first)}")
+    length = first.shape[first_axes[0]]
+    dims: list[tuple[int, ...]] = [() for _ in inputs]
+    relabelled = []
+    for index, x in tensors:
+        if integer(x) and not (-x.ndim <= dim < x.ndim and x.shape[dim] == length):
+            relabelled.append(index)
+        else:
+            dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")
+    plan = _InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+    _check_indices(inputs, plan)
+    return plan
+
+
+def _check_indices(inputs: tuple, plan: _InputPlan) -> None:
+    """Relabelled inputs must hold token indices: every value in ``0..length-1``."""
+    for index in plan.relabelled:
+        x = inputs[index]
+        if x.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.stack([x.min(), x.max()]).tolist())
+        if low < 0 or high >= plan.length:
+            raise ValueError(
+                f"input {index} {_shape_of(x)} {str(x.dtype).removeprefix('torch.')} is read as token indices "
+                f"(an integer tensor without {plan.length} tokens along the permuted axis), so a permutation "
+                f"relabels its values, but they run from {low} to {high}, outside 0..{plan.length - 1}: pass dim "
+                "with one entry per input, None for an input to leave unchanged"
+            )
+
+
+def _shape_of(x) -> str:
+    return format_shape(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
 
 
 def _axes_of(entry, ndim: int | None, where: str) -> tuple[int, ...]:
@@ -363,11 +478,16 @@ def _output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list
     return result
 
 
-def _permute_inputs(inputs: tuple, input_dims, permutation: Tensor) -> tuple:
+def _permute_inputs(inputs: tuple, plan: _InputPlan, permutation: Tensor) -> tuple:
     # Permute a tensor passed twice once, so `query is key` holds in the permuted call as well.
     done: dict[tuple[int, tuple[int, ...]], Tensor] = {}
+    new_position = torch.empty_like(permutation)
+    new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
     permuted = []
-    for x, dims in zip(inputs, input_dims):
+    for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
+        if index in plan.relabelled:
+            permuted.append(new_position.to(x.device, x.dtype)[x])
+            continue
         if not dims:
             permuted.append(x)
             continue
@@ -390,8 +510,16 @@ def _module_of(fn: Callable) -> nn.Module | None:
 
 @contextmanager
 def _check_conditions(module: nn.Module | None, inputs: tuple) -> Iterator[Callable[[], None]]:
-    """No grad, dropout off, the same RNG state for both runs; flags, buffers and RNG restored after."""
-    devices = sorted({x.device.index or 0 for x in inputs if isinstance(x, Tensor) and x.device.type == "cuda"})
+    """No grad, no dropout, the same RNG state for both runs; flags, buffers and RNG restored after.
+
+    Nothing the caller holds changes: buffers are written back through ``.data``, which leaves
+    their version counters alone, so a graph the caller recorded before the check (batch norm
+    saves its running statistics for backward) still runs backward.
+    """
+    tensors = [x for x in inputs if isinstance(x, Tensor)]
+    if module is not None:
+        tensors += list(itertools.chain(module.parameters(), module.buffers()))
+    devices = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
     cpu_state = torch.get_rng_state()
     cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
 
@@ -413,7 +541,7 @@ def _check_conditions(module: nn.Module | None, inputs: tuple) -> Iterator[Calla
             if buffer is not None
         ]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _WithoutFunctionalDropout():
             yield rewind
     finally:
         for submodule in switched:
@@ -421,5 +549,31 @@ def _check_conditions(module: nn.Module | None, inputs: tuple) -> Iterator[Calla
         with torch.no_grad():
             for owner, name, buffer, copy in saved:
                 owner._buffers[name] = buffer
-                buffer.copy_(copy)
+                buffer.data.copy_(copy)
         rewind()
+
+
+class _WithoutFunctionalDropout(TorchFunctionMode):
+    """Dropout called as a function in a module's own code (``F.dropout(x, p, self.training)``,
+    ``F.scaled_dot_product_attention(..., dropout_p=...)``) keeps nothing random: a random mask
+    does not follow the tokens, and would fail the check on a model that has no fault."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_FUNCTIONS:
+            return args[0] if args else kwargs["input"]
+        if func in _DROPOUT_PROBABILITY:
+            position = _DROPOUT_PROBABILITY[func]
+            if len(args) > position:
+                args = args[:position] + (0.0,) + args[position + 1:]
+            else:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+_DROPOUT_FUNCTIONS = frozenset({
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+})
+# Functions that take a dropout probability, and its position among their arguments.
+_DROPOUT_PROBABILITY = {F.scaled_dot_product_attention: 4, F.multi_head_attention_forward: 10}

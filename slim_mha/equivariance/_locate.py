@@ -38,6 +38,7 @@ from ._measure import TensorError, measure_error, permute
 __all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
 
 _CALL_MACHINERY = {os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))}
+_TORCH_DIRECTORY = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 # ------------------------------------------------------------------------------------ results
@@ -82,6 +83,7 @@ class SubmoduleCheck:
             (``None``: called from the checked function's own code).
         site: where it was called from, when the frames told.
         started, finished: the positions of its start and its end among all recorded events.
+        forward: where its class's ``forward`` is defined, when that is outside torch.
     """
 
     name: str
@@ -94,6 +96,7 @@ class SubmoduleCheck:
     site: CallSite | None = None
     started: int = -1
     finished: int = -1
+    forward: CallSite | None = None
 
     def passed(self, tolerance: float | None = None) -> bool:
         """Whether every output matches a reading (the inputs are judged by :meth:`inputs_passed`)."""
@@ -112,9 +115,14 @@ class SubmoduleCheck:
         """The closest reading of the first input that matches none."""
         return _closest_broken(self.inputs, tolerance)
 
+    @property
+    def display_name(self) -> str:
+        """The qualified name; the class name for the checked module itself (whose name is ``""``)."""
+        return self.name or self.type_name
+
     def label(self) -> str:
         """```name` (call 2)``: how reports refer to this call."""
-        return f"`{self.name}` (call {self.call + 1})"
+        return f"`{self.display_name}` (call {self.call + 1})"
 
 
 def _matches(readings: tuple[TensorError, ...], tolerance: float | None) -> bool:
@@ -140,7 +148,8 @@ class Culprit:
         submodule: the call whose output broke, or the first one that received a broken input.
         code: the code at fault, ``"the code in `Model.forward` between `embed` (call 1) and
             `attn` (call 1)"``; for a submodule with submodules of its own that kept it, its code
-            after them; empty for a submodule without submodules.
+            after them (``after_submodules``); for one that called no submodule, its ``forward``
+            when that is defined outside torch (``"`PositionalAttention.forward`"``), else empty.
         location: ``"model.py, lines 10-11"``, when the frames told.
         kept: how many submodule calls finished before the break, all of them keeping the property.
     """
@@ -151,6 +160,7 @@ class Culprit:
     code: str = ""
     location: str = ""
     kept: int = 0
+    after_submodules: bool = False
 
 
 # ---------------------------------------------------------------------------------- recording
@@ -167,11 +177,16 @@ class _Call:
     started: int
     outputs: list[tuple[str, Tensor]] = field(default_factory=list)
     finished: int = -1
+    forward: CallSite | None = None
 
 
 @contextmanager
-def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
-    """Record every submodule call (copies of its tensor inputs and outputs), in the order calls start."""
+def recording(module: nn.Module | None, include_root: bool = False) -> Iterator[list[_Call]]:
+    """Record every submodule call (copies of its tensor inputs and outputs), in the order calls start.
+
+    ``include_root``: record ``module``'s own calls too (named ``""``), for a checked function that
+    wraps the module: a break in the module's code is then told apart from one in the function's.
+    """
     calls: list[_Call] = []
     if module is None:
         yield calls
@@ -189,6 +204,7 @@ def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
                 name, type(submodule).__name__, call, parent, _call_site(submodule),
                 _tensor_inputs(submodule, args, kwargs),
                 next(events),
+                forward=_forward_site(type(submodule)),
             )
             calls.append(record)
             running.append(record)
@@ -211,7 +227,7 @@ def recording(module: nn.Module | None) -> Iterator[list[_Call]]:
 
     handles = []
     for name, submodule in module.named_modules():
-        if submodule is not module:
+        if submodule is not module or include_root:
             handles.append(submodule.register_forward_pre_hook(before_for(name), with_kwargs=True))
             handles.append(submodule.register_forward_hook(after_for(name)))
     try:
@@ -242,6 +258,21 @@ def _call_site(submodule: nn.Module) -> CallSite | None:
         filename=code.co_filename,
         line=frame.f_lineno,
         function=getattr(code, "co_qualname", code.co_name),  # co_qualname: Python 3.11+
+        first_line=code.co_firstlineno,
+        last_line=max(lines, default=code.co_firstlineno),
+    )
+
+
+def _forward_site(cls: type) -> CallSite | None:
+    """Where ``cls.forward`` is defined, when outside torch (torch's own layers are named by class)."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    if code is None or os.path.abspath(code.co_filename).startswith(_TORCH_DIRECTORY):
+        return None
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return CallSite(
+        filename=code.co_filename,
+        line=code.co_firstlineno,
+        function=getattr(code, "co_qualname", code.co_name),
         first_line=code.co_firstlineno,
         last_line=max(lines, default=code.co_firstlineno),
     )
@@ -328,7 +359,8 @@ def compare_calls(
                 f"'{after.name}' on the permuted ones (data-dependent control flow); comparison stopped there"
             )
             break
-        fields = dict(parent=before.parent, site=before.site, started=before.started, finished=before.finished)
+        fields = dict(parent=before.parent, site=before.site, started=before.started, finished=before.finished,
+                      forward=before.forward)
         inputs_match = [name for name, _ in before.inputs] == [name for name, _ in after.inputs]
         inputs = _measure_readings(before.inputs, after.inputs, length, permutation) if inputs_match else ()
         if [name for name, _ in before.outputs] != [name for name, _ in after.outputs]:
@@ -360,13 +392,21 @@ def find_culprit(checks: tuple[SubmoduleCheck, ...], tolerance: float | None = N
             code, location = _code_before(check, previous)
             return Culprit("code", check.parent or "", check, code, location, kept)
         if kind == "end" and not check.passed(tolerance):
-            code, location = "", ""
             if previous is not None and previous[0] == "end" and previous[1].parent == check.name:
                 code, location = _code_after(previous[1])  # its own submodules kept it: its code did not
+                return Culprit("submodule", check.name, check, code, location, kept, after_submodules=True)
+            code, location = "", ""
+            if check.forward is not None and _called_nothing(check, checks):
+                code = f"`{check.forward.function}`"
+                location = _lines(check.forward, check.forward.first_line, check.forward.last_line)
             return Culprit("submodule", check.name, check, code, location, kept)
         kept += kind == "end"
         previous = (kind, check)
     return None
+
+
+def _called_nothing(check: SubmoduleCheck, checks: tuple[SubmoduleCheck, ...]) -> bool:
+    return not any(other.parent == check.name and check.started < other.started < check.finished for other in checks)
 
 
 def describe_trailing_code(checks: tuple[SubmoduleCheck, ...]) -> tuple[str, str]:

@@ -1,5 +1,8 @@
 """The assertion mode: slim attention calls check their own permutation equivariance as they run.
 
+With ``dim``, :func:`checking_equivariance` also checks the model's own calls (:mod:`._model_mode`);
+this file owns the scopes and the per-call check of slim attention.
+
 Switched on per module (``check_equivariance=True``, or the attribute of that name), for every slim
 module called inside ``with checking_equivariance():``, or for the whole process with the
 environment variable ``SLIM_MHA_CHECK_EQUIVARIANCE``. ``check_equivariance=False`` opts a module out
@@ -36,8 +39,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary, WeakSet
@@ -47,9 +50,11 @@ from torch import Tensor, nn
 
 from .._call import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
+from ._context import is_rerunning, naming, qualified_name
 from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
+from ._model_mode import ModelCheck, check_dim
 
-__all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "naming", "reset", "resolve_options"]
+__all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "reset", "resolve_options"]
 
 ENVIRONMENT_VARIABLE = "SLIM_MHA_CHECK_EQUIVARIANCE"
 
@@ -76,7 +81,6 @@ SWITCH = _Switch()
 _LOCK = threading.Lock()
 _open_scopes = 0  # in all threads; guarded by _LOCK
 _SCOPE: ContextVar[_Scope | None] = ContextVar("slim_mha_equivariance_scope", default=None)
-_MODELS: ContextVar[tuple[nn.Module, ...]] = ContextVar("slim_mha_equivariance_models", default=())
 _CALLS: WeakKeyDictionary[nn.Module, int] = WeakKeyDictionary()  # calls seen while on, per module
 _WARNED: WeakSet[nn.Module] = WeakSet()  # models already warned about having nothing to check
 _SEEDS = torch.Generator().manual_seed(0x5EED)  # private: seeds of the checks' permutations
@@ -136,24 +140,51 @@ def _check_every(every, name: str) -> int:
 
 
 @contextmanager
-def checking_equivariance(model: nn.Module | None = None, *, every: int = 1, strict: bool = False) -> Iterator[None]:
-    """Check the equivariance of every slim attention call made inside the block (this thread/task).
+def checking_equivariance(
+    model: nn.Module | None = None,
+    *,
+    every: int = 1,
+    strict: bool = False,
+    dim: int | Sequence | Mapping | None = None,
+    invariant: bool = False,
+) -> Iterator[None]:
+    """Check permutation equivariance while the block runs (in this thread or async task).
+
+    Without ``dim``, slim attention checks each of its own calls: given the query, key and value it
+    receives, is the call equivariant? That catches a faulty attention, not a model that feeds it
+    positions (a position table, a projection along the sequence): each call is still equivariant
+    given its inputs. With ``dim``, the model's own calls are checked as well, as a whole.
 
     Args:
-        model: optional; errors then name the failing module by its qualified name in ``model``
-            (looked up only when a check fails). A model with no slim attention module to check
-            (stock modules only: built before ``patch()``, not converted) warns once, since the
-            block would check nothing.
-        every: check the first call of each module, then every ``every``-th one.
+        model: the model. Without ``dim``, errors name the failing attention module by its
+            qualified name in ``model``, and a model with no slim attention module to check (stock
+            modules only: built before ``patch()``, not converted) warns once, since the block
+            would check nothing.
+        every: check the first call (of the model, and of each attention module), then every
+            ``every``-th one.
         strict: raise a ValueError instead of warning when ``model`` has nothing to check.
+        dim: the model's set axis: check the model's calls. An int moves every tensor input along
+            that axis (an integer tensor without that many tokens along it, like ``edge_index``,
+            holds token indices and is relabelled); a sequence gives one entry per positional
+            input, a dict one per forward parameter name: an axis, a tuple of axes, ``"indices"``,
+            or ``None`` (unchanged). The model's outputs must follow: permuted along the same axis.
+        invariant: with ``dim``, the model's outputs must instead stay unchanged (pooling over the
+            set, attention from learned queries over it).
 
-    Modules built with ``check_equivariance=False`` are left out; modules with ``True`` keep their
-    own ``check_equivariance_every``. Scopes nest (the innermost ``every`` applies) and are local to
-    the thread or async task that opened them: threads started inside do not inherit them.
+    A checked model call is run again twice under ``no_grad`` without dropout, on its inputs and on
+    them permuted, and the outputs compared within the dtype tolerance table; a break raises
+    :class:`EquivarianceError` naming the first submodule or the lines of code where it breaks, the
+    seed and the permutation. The call's output, gradients, the global RNG, buffers and training
+    flags are left as the call made them.
+
+    Modules built with ``check_equivariance=False`` are left out of the per-call checks; modules
+    with ``True`` keep their own ``check_equivariance_every``. Scopes nest (the innermost ``every``
+    applies, and the innermost ``dim`` of a model) and are local to the thread or async task that
+    opened them: threads started inside do not inherit them.
 
     Example::
 
-        with slim_mha.checking_equivariance(model, every=10):
+        with slim_mha.checking_equivariance(model, every=10, dim=1):
             loss = model(batch).loss
     """
     every = _check_every(every, "every")
@@ -161,21 +192,29 @@ def checking_equivariance(model: nn.Module | None = None, *, every: int = 1, str
         raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False, got {strict!r}")
-    if model is not None:
+    if not isinstance(invariant, bool):
+        raise ValueError(f"invariant must be True or False, got {invariant!r}")
+    if dim is not None and model is None:
+        raise ValueError("dim is the model's set axis, and no model was given: pass checking_equivariance(model, dim=...)")
+    if invariant and dim is None:
+        raise ValueError("invariant=True says how the model's outputs follow its set axis: give that axis as dim too")
+    if dim is not None:
+        check_dim(dim)
+    elif model is not None:
         _report_nothing_to_check(model, strict)
+    model_check = nullcontext() if dim is None else ModelCheck(model, dim, invariant, every, lambda: _next_seed()).active()
     global _open_scopes
     scope_token = _SCOPE.set(_Scope(every=every))
-    models_token = _MODELS.set(_MODELS.get() + ((model,) if model is not None else ()))
     with _LOCK:
         _open_scopes += 1
         SWITCH.active = True
     try:
-        yield
+        with naming(model), model_check:
+            yield
     finally:
         with _LOCK:
             _open_scopes -= 1
             SWITCH.active = _open_scopes > 0 or _environment_scope is not None or _environment_error is not None
-        _MODELS.reset(models_token)
         _SCOPE.reset(scope_token)
 
 
@@ -207,19 +246,6 @@ def _report_nothing_to_check(model: nn.Module, strict: bool) -> None:
         warnings.warn(message, UserWarning, stacklevel=4)
 
 
-@contextmanager
-def naming(model: nn.Module | None) -> Iterator[None]:
-    """Name modules of ``model`` in errors raised inside the block, without switching checks on."""
-    if model is None:
-        yield
-        return
-    token = _MODELS.set(_MODELS.get() + (model,))
-    try:
-        yield
-    finally:
-        _MODELS.reset(token)
-
-
 # --------------------------------------------------------------------------------- the check
 
 
@@ -231,7 +257,7 @@ def check_call(module: nn.Module, result: tuple[Tensor, Tensor | None], call: At
         ValueError: if the call follows ``SLIM_MHA_CHECK_EQUIVARIANCE`` and its value is not understood.
     """
     __tracebackhide__ = True
-    if _transformed():
+    if _transformed() or is_rerunning():  # a model-level check's own runs: not checked again
         return
     every = _sampling_period(module)
     if every is None:
@@ -243,7 +269,7 @@ def check_call(module: nn.Module, result: tuple[Tensor, Tensor | None], call: At
             "tokens, so there is nothing to check. Pass the causal mask as attn_mask (the check permutes it "
             "with its tokens: f(P x, P M P^T) = P f(x, M)), or build the module with check_equivariance=False "
             "(or set the attribute) to exempt it.",
-            module_name=_qualified_name(module),
+            module_name=qualified_name(module),
         )
     count = _CALLS.get(module, 0)
     _CALLS[module] = count + 1
@@ -383,7 +409,7 @@ class _AttentionCheck:
         return EquivarianceError(
             "\n".join(lines),
             errors=tuple(failed),
-            module_name=_qualified_name(self.module),
+            module_name=qualified_name(self.module),
             seed=self.seed,
             permutations={"query": self.query_permutation, "key/value": self.key_permutation},
         )
@@ -456,17 +482,8 @@ def _tolerance_dtype(output: Tensor) -> torch.dtype:
     return output.dtype
 
 
-def _qualified_name(module: nn.Module) -> str | None:
-    """The module's name in a model given to ``checking_equivariance`` (walked now, on failure only)."""
-    for model in reversed(_MODELS.get()):
-        for name, candidate in model.named_modules():
-            if candidate is module:
-                return name or type(model).__name__
-    return None
-
-
 def _label(module: nn.Module) -> str:
-    name = _qualified_name(module)
+    name = qualified_name(module)
     if name is not None:
         return f"{type(module).__name__} '{name}'"
     return (

@@ -51,6 +51,9 @@ class PermutationErrors:
         input_dims: the permuted axes of each input (``()``: not permuted).
         submodules: every submodule call, in the order the calls finished; ``None`` unless asked for.
         submodule_note: why the submodule comparison stopped early, if it did.
+        relabelled: the inputs read as token indices (``edge_index``), whose values the
+            permutation relabels: ``i`` became the new position of token ``i``.
+        input_names: how the report names the inputs (default ``input 0``, ``input 1``...).
     """
 
     subject: str
@@ -60,6 +63,11 @@ class PermutationErrors:
     input_dims: tuple[tuple[int, ...], ...]
     submodules: tuple[SubmoduleCheck, ...] | None = None
     submodule_note: str = ""
+    relabelled: tuple[int, ...] = ()
+    input_names: tuple[str, ...] = ()
+
+    def input_name(self, index: int) -> str:
+        return self.input_names[index] if index < len(self.input_names) else f"input {index}"
 
     @property
     def invariant(self) -> bool:
@@ -113,14 +121,15 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
     if broken:
         lines.extend(_locate_lines(result, tolerance, broken))
     inputs = ", ".join(
-        f"input {index} on dim{'s' if len(dims) > 1 else ''} {_axes(dims)}"
+        f"{result.input_name(index)} on dim{'s' if len(dims) > 1 else ''} {_axes(dims)}"
         for index, dims in enumerate(result.input_dims)
         if dims
     )
+    relabelled = ", ".join(result.input_name(index) for index in result.relabelled)
     seed = f"seed {result.seed}" if result.seed is not None else "given"
     lines.append(
         f"  permutation ({seed}, {len(result.permutation)} tokens): {format_indices(result.permutation)}; "
-        f"permuted: {inputs}"
+        f"permuted: {inputs}" + (f"; relabelled as token indices: {relabelled}" if relabelled else "")
     )
     return "\n".join(lines)
 
@@ -143,7 +152,7 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
         call = culprit.submodule
         lines.append(
             f"  first submodule, in execution order, whose output is neither unchanged nor permuted along "
-            f"its token axes: '{call.name}' ({call.type_name}, call {call.call + 1}), "
+            f"its token axes: '{call.display_name}' ({call.type_name}, call {call.call + 1}), "
             f"after {_calls(culprit.kept)} that kept it"
         )
         closest = call.broken_output(tolerance)
@@ -154,14 +163,16 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
                 f"    its {closest.name} {format_shape(closest.shape)}, closest reading "
                 f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
             )
-        if culprit.code:
+        if culprit.after_submodules:
             lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
+        elif culprit.code:
+            lines.append(f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}")
     elif culprit is not None:
         call = culprit.submodule
         closest = call.broken_input(tolerance)
         lines.append(f"  the break is in {culprit.code}{_at(culprit.location)}")
         lines.append(
-            f"    '{call.name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
+            f"    '{call.display_name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
             f"unchanged nor permuted along its token axes, after {_calls(culprit.kept)} that kept it: its "
             f"{closest.name} {format_shape(closest.shape)}, closest reading '{_describe_dims(closest.dims)}': "
             f"{closest.describe(tolerance)}"

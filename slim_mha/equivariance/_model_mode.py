@@ -1,0 +1,178 @@
+"""The model-level mode: ``checking_equivariance(model, dim=...)`` checks the model's own calls.
+
+The per-call mode checks each slim attention call given the inputs it receives, so a break outside
+attention (a position table added in ``forward``, a projection along the sequence, an attention
+subclass that adds positions to q and k before calling its parent) passes it. Given the model's set
+axis, this mode checks what the user called: after the first call of the model inside the block,
+and every ``every``-th one after it, the model runs again on the call's inputs and on those inputs
+permuted along ``dim``, through the same checker as :func:`assert_permutation_equivariant` (its
+input rules, its tolerance table, its search for the culprit), and a break raises
+:class:`EquivarianceError` from the call.
+
+Nothing the caller holds changes. The call's own output and graph are returned as they are; the
+comparison runs both runs under ``no_grad``, without dropout (dropout layers and attention in eval
+mode, functional dropout zeroed, since a random mask does not follow the tokens), from the global
+RNG state the call left, which is restored after, with every buffer and training flag put back.
+Both runs are marked as the check's own (:func:`._context.rerunning`): neither mode checks inside
+them. A checked call therefore costs two no-grad forwards of the model, plus, when it fails, two
+more with hooks to find the culprit.
+
+The check is a forward hook on the model, registered for the block. It acts only in the thread or
+async task whose scope registered it, and only for the innermost scope of that model there; it is
+skipped while the model is compiled, exported or traced and under ``torch.func`` transforms. Calls
+of ``model.forward(...)`` that bypass ``model(...)`` are not seen.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from torch import Tensor, nn
+
+from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
+from . import _context
+from ._checker import INDICES, SAME_AS_DIM, CheckedCall, error_for, measure
+from ._measure import EquivarianceError
+
+__all__ = ["ModelCheck", "check_dim"]
+
+_ACTIVE: ContextVar[tuple[ModelCheck, ...]] = ContextVar("slim_mha_equivariance_model_checks", default=())
+
+
+def check_dim(dim) -> None:
+    """Validate the form of ``dim`` when the scope opens; whether it fits the inputs is told per call."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, Sequence, Mapping)) or isinstance(dim, str):
+        raise ValueError(
+            f"dim must be the model's set axis: an int (every tensor input), a sequence with one entry per "
+            f"positional input, or a dict from forward parameter names to entries; got {dim!r}"
+        )
+    entries = dim.values() if isinstance(dim, Mapping) else dim if isinstance(dim, Sequence) else [dim]
+    for entry in entries:
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        if entry is not None and entry != INDICES and not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+            raise ValueError(
+                f"dim entry {entry!r} is not understood: use an axis, a tuple of axes (moved alike), "
+                f"{INDICES!r} (an integer tensor of token indices, relabelled) or None (left unchanged)"
+            )
+    if isinstance(dim, Mapping):
+        for key in dim:
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise ValueError(f"dim's keys must be forward parameter names or positions, got {key!r}")
+
+
+class ModelCheck:
+    """One scope's check of one model: its settings, its count of the model's calls, its hook."""
+
+    def __init__(self, model: nn.Module, dim, invariant: bool, every: int, draw_seed: Callable[[], int]):
+        self.model = model
+        self.dim = dim
+        self.invariant = invariant
+        self.every = every
+        self.calls = 0  # the model's calls seen by this scope
+        self._draw_seed = draw_seed
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        token = _ACTIVE.set(_ACTIVE.get() + (self,))
+        handle = self.model.register_forward_hook(self._after_call, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+            _ACTIVE.reset(token)
+
+    def _after_call(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        __tracebackhide__ = True
+        if is_capturing_or_transforming():  # first: Dynamo folds it to True and traces nothing below
+            return None
+        if _context.is_rerunning() or not self._is_innermost_here():
+            return None
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), None)
+        if first is None or is_symbolic_call(first):
+            return None
+        count = self.calls
+        self.calls += 1
+        if count % self.every == 0:
+            self._check(args, kwargs, count)
+        return None  # the call's output, unchanged
+
+    def _is_innermost_here(self) -> bool:
+        for check in reversed(_ACTIVE.get()):
+            if check.model is self.model:
+                return check is self
+        return False
+
+    def _check(self, args: tuple, kwargs: dict, count: int) -> None:
+        __tracebackhide__ = True
+        names = _input_names(self.model, args, kwargs)
+        keywords = list(kwargs)
+        positional = len(args)
+
+        def call_model(*values):
+            return self.model(*values[:positional], **dict(zip(keywords, values[positional:])))
+
+        checked = CheckedCall(
+            fn=call_model,
+            inputs=(*args, *kwargs.values()),
+            dim=self._entries(names, positional, count),
+            output_dim=None if self.invariant else SAME_AS_DIM,
+            kwargs={},
+            module=self.model,
+            subject=type(self.model).__name__,
+            input_names=tuple(names),
+            wraps_module=False,  # call_model does nothing but call the model
+        )
+        try:
+            with _context.rerunning():
+                result = measure(checked, seed=self._draw_seed(), permutation=None, submodules=False)
+                error = error_for(checked, result, None)
+        except ValueError as problem:  # the inputs do not fit dim: say which call and which argument
+            raise ValueError(f"{self._describe()}: call {count + 1} of {type(self.model).__name__}: {problem}") from None
+        if error is not None:
+            raise EquivarianceError(
+                f"{self._describe()}: call {count + 1} of the model, run again on its inputs and on them "
+                f"permuted (both runs under no_grad, without dropout):\n{error}",
+                errors=error.errors,
+                module_name=error.module_name,
+                seed=error.seed,
+                permutations=error.permutations,
+                result=error.result,
+            )
+
+    def _entries(self, names: list[str], positional: int, count: int):
+        """``dim`` as the checker takes it, over the call's inputs (positional, then keyword)."""
+        if isinstance(self.dim, int):
+            return self.dim
+        if isinstance(self.dim, Sequence):
+            if len(self.dim) != positional:
+                raise ValueError(
+                    f"{self._describe()}: call {count + 1} of {type(self.model).__name__} has {positional} positional "
+                    f"inputs but dim has {len(self.dim)} entries: give one per positional input, or a dict keyed "
+                    "by parameter name to reach keyword inputs"
+                )
+            return [*self.dim, *([None] * (len(names) - positional))]
+        unknown = [key for key in self.dim if not (key in names or (isinstance(key, int) and 0 <= key < positional))]
+        if unknown:
+            raise ValueError(
+                f"{self._describe()}: call {count + 1} of {type(self.model).__name__} has no input {unknown[0]!r}; "
+                f"its inputs are {names}"
+            )
+        return [self.dim.get(name, self.dim.get(index)) for index, name in enumerate(names)]
+
+    def _describe(self) -> str:
+        invariant = ", invariant=True" if self.invariant else ""
+        return f"checking_equivariance({type(self.model).__name__}, dim={self.dim!r}{invariant})"
+
+
+def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The forward parameter names of the positional inputs (``input 0``... when unknown), then the keywords."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [positional[i] if i < len(positional) else f"input {i}" for i in range(len(args))]
+    return names + list(kwargs)
