@@ -160,3 +160,17 @@ def test_the_comparison_fails_on_a_wrong_average(monkeypatch):
     monkeypatch.setattr(explicit, "_mean_over_heads", lambda scores: scores.sum(dim=1))
     with pytest.raises(AssertionError, match="weights: max error"):
         compare("self", "none", "none", "one_pass", monkeypatch)
+
+
+def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mode():
+    """The one constant the path keeps: a row of 1/H, keyed on everything it depends on."""
+    rows = [explicit._head_average(heads, dtype, torch.device("cpu"))
+            for heads, dtype in ((3, torch.float32), (4, torch.float32), (3, torch.float64))]
+    assert [(row.shape[-1], row.dtype) for row in rows] == [(3, torch.float32), (4, torch.float32), (3, torch.float64)]
+    assert rows[0] is explicit._head_average(3, torch.float32, torch.device("cpu"))
+    assert not any(row.is_inference() or row.requires_grad for row in rows)
+    stock, slim = modules("self", "none", torch.float32)
+    x = torch.randn(BATCH, 5, EMBED)
+    for context in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with context():
+            assert_close_scaled(slim(x, x, x)[1], stock(x, x, x)[1], "weights")
