@@ -3,16 +3,21 @@
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations.
 
-Without a graph (inference) every step is one batched call over all heads, so the number of ops
-per call does not grow with the number of heads, and the mask and the softmax work in place on the
-``(B, H, L, S)`` scores, the one large tensor. Few large ops matter beyond CUDA launches: on a CPU
-shared with other processes each multi-threaded op waits at a barrier for its slowest thread, and a
-head-by-head loop was measured at 0.3-0.6x stock under load (benchmarks/RESULTS.md). On CPU only,
-scores above :data:`_CPU_BLOCK_SCORES_BYTES` are computed a few blocks of query rows at a time.
+Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked and
+softmaxed in place and averaged by one batched product: what stock's native kernel holds, and no
+more. Only where that one pass would not fit in the memory this process can get does the memory
+guard (``_memory_guard.rows_per_block``) cut the averaged weights into blocks of query rows.
+
+Every step is one batched call over all heads, so the number of ops per call does not grow with the
+number of heads or the length. That matters beyond CUDA launches: on a CPU shared with other
+processes each multi-threaded op ends at a barrier where it waits for its slowest thread, and that
+thread waits for a core, so the time of a call beside a busy process grows with the number of such
+ops far more than with their size (benchmarks/RESULTS.md). The blocks pay it once per block.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -20,19 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._memory_guard import check_weights_fit
+from ._memory_guard import check_weights_fit, rows_per_block
 from ._torch_compat import is_capturing_or_transforming
 
 __all__ = ["WeightsPlan", "attention_with_weights", "plan_weights_path"]
 
-
-# On CPU, averaged weights over more scores than this are computed in blocks of query rows holding
-# at most this many bytes of scores. glibc's malloc serves allocations of 32 MiB and more with a
-# fresh mmap on every call, which the kernel then faults in page by page (measured: 22.6 ms to
-# allocate and fill 32 MiB against 1.8 ms to refill a recycled block), while smaller blocks are
-# recycled from call to call. Blocks also keep the peak below stock's, which holds all of
-# (B, H, L, S). Half the mmap threshold keeps the blocks few: two at B=4 L=512 H=8 in fp32.
-_CPU_BLOCK_SCORES_BYTES = 16 << 20
+# Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
+# most this many bytes of scores even where one pass fits; None: the memory guard decides.
+_BLOCK_SCORES_BYTES: int | None = None
 
 
 class WeightsPlan(NamedTuple):
@@ -48,7 +48,9 @@ def plan_weights_path(
 ) -> WeightsPlan:
     """The path for ``q`` ``(B, H, L, D)`` and ``src_len`` keys (appended tokens included)."""
     functional = records_graph or dropout_p > 0.0 or is_capturing_or_transforming()
-    rows = q.shape[2] if functional or not average else _query_rows_per_block(q, src_len)
+    rows = q.shape[2]
+    if average and not functional:
+        rows = rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len)
     return WeightsPlan(functional, average, rows)
 
 
@@ -70,15 +72,27 @@ def attention_with_weights(
         return _attention_functional(q, k, v, mask, dropout_p, average)
     if plan.rows < q.shape[2]:
         return _attention_averaged_in_blocks(q, k, v, mask, plan.rows)
+    return _attention_in_one_pass(q, k, v, mask, average)
+
+
+def _attention_in_one_pass(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, average: bool
+) -> tuple[Tensor, Tensor]:
+    """Without a graph: every head's scores at once, softmaxed in place; the output in q's copy.
+
+    Each copy lives only as long as its product needs it, and the output takes q's copy: what the
+    path holds beside the scores never exceeds two ``(B, H, L, D)`` tensors, as in stock's kernel.
+    """
     B, H, L, D = q.shape
     S = k.shape[2]
     # Explicit sizes in every view, never -1: an empty batch or sequence leaves -1 undetermined.
-    scores = _scores(q, _matrices(k)).view(B, H, L, S)
+    scaled = _scaled_matrices(q)  # (B·H, L, D)
+    scores = torch.bmm(scaled, _matrices(k).transpose(1, 2)).view(B, H, L, S)
     if mask is not None:
         scores.add_(mask)
     torch.softmax(scores, dim=-1, out=scores)
-    out = torch.bmm(scores.view(B * H, L, S), _matrices(v)).view(B, H, L, D)
-    return out, _mean_over_heads(scores) if average else scores
+    out = torch.bmm(scores.view(B * H, L, S), _matrices(v), out=scaled)  # q's copy is free once scored
+    return out.view(B, H, L, D), _mean_over_heads(scores) if average else scores
 
 
 def _attention_functional(
@@ -104,45 +118,46 @@ def _attention_functional(
 def _attention_averaged_in_blocks(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int
 ) -> tuple[Tensor, Tensor]:
-    """Averaged weights without a graph, ``rows`` query rows (all batches, all heads) at a time."""
+    """Averaged weights without a graph, ``rows`` query rows (all batches, all heads) at a time.
+
+    Each block's output and average go to contiguous temporaries first and are then copied into
+    their rows: ``bmm`` into a strided ``out=`` falls back to one matrix product per batch.
+    """
     B, H, L, D = q.shape
     S = k.shape[2]
-    k, v = _matrices(k), _matrices(v)  # copied once, not once per block
+    k_matrices, v_matrices = _matrices(k), _matrices(v)  # copied once, not once per block
     out = q.new_empty(B, L, H, D).transpose(1, 2)  # (B, H, L, D) in the layout _merge_heads flattens for free
     weights = q.new_empty(B, L, S)
     for start in range(0, L, rows):
         block = slice(start, min(start + rows, L))
         block_rows = block.stop - block.start
-        scores = _scores(q[:, :, block], k).view(B, H, block_rows, S)  # (B, H, rows, S)
+        scores = torch.bmm(_scaled_matrices(q[:, :, block]), k_matrices.transpose(1, 2))
+        scores = scores.view(B, H, block_rows, S)
         if mask is not None:
             scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])
         torch.softmax(scores, dim=-1, out=scores)
-        out[:, :, block] = torch.bmm(scores.view(B * H, block_rows, S), v).view(B, H, block_rows, D)
+        out[:, :, block] = torch.bmm(scores.view(B * H, block_rows, S), v_matrices).view(B, H, block_rows, D)
         weights[:, block] = _mean_over_heads(scores)
         del scores  # freed before the next block's scores are allocated, which then reuse its memory
     return out, weights
 
 
-def _matrices(x: Tensor) -> Tensor:
-    """``(B, H, N, D)`` -> ``(B·H, N, D)``, the batch of matrices ``bmm`` takes; copies only if needed.
+def _scaled_matrices(q: Tensor) -> Tensor:
+    """``q / sqrt(D)`` as ``(B·H, L, D)``: scaled first, as stock does, in the copy ``bmm`` needs anyway."""
+    B, H, L, D = q.shape
+    scaled = q.new_empty(B * H, L, D)
+    torch.mul(q, math.sqrt(1.0 / float(D)), out=scaled.view(B, H, L, D))
+    return scaled
 
-    The heads are views into the projection, in ``(B, N, H, D)`` memory order, where ``B`` and ``H``
-    do not fold into one batch dimension.
-    """
+
+def _matrices(x: Tensor) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B·H, N, D)``; copies only if ``B`` and ``H`` do not fold."""
     B, H, N, D = x.shape
     if x.is_contiguous():
         return x.view(B * H, N, D)
     matrices = x.new_empty(B * H, N, D)
     matrices.view(B, H, N, D).copy_(x)
     return matrices
-
-
-def _scores(q: Tensor, k_matrices: Tensor) -> Tensor:
-    """``(q / sqrt(D)) kᵀ`` as ``(B·H, L, S)``: q scaled first, as stock does, in the copy bmm needs anyway."""
-    B, H, L, D = q.shape
-    scaled = q.new_empty(B * H, L, D)
-    torch.mul(q, math.sqrt(1.0 / float(D)), out=scaled.view(B, H, L, D))
-    return torch.bmm(scaled, k_matrices.transpose(1, 2))
 
 
 def _mean_over_heads(weights: Tensor) -> Tensor:
@@ -153,15 +168,28 @@ def _mean_over_heads(weights: Tensor) -> Tensor:
     agree up to the order of summation; otherwise up to one rounding of ``1/H``.
     """
     B, H, L, S = weights.shape
-    average = weights.new_full((1, 1, H), 1.0 / H).expand(B, 1, H)
+    average = _head_average(H, weights.dtype, weights.device).expand(B, 1, H)
     return torch.bmm(average, weights.reshape(B, H, L * S)).view(B, L, S)
 
 
-def _query_rows_per_block(q: Tensor, src_len: int) -> int:
-    """How many query rows one block of CPU scores holds: every row when they fit in one block."""
+@functools.lru_cache(maxsize=64)
+def _head_average(heads: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The constant ``(1, 1, H)`` row of ``1/H``, made once per heads, dtype and device.
+
+    Made during a call it would be the one allocation beside the scores, the output and the
+    averaged weights at the call's peak, and lift it a few bytes above stock's. Made without
+    autograd or inference mode, so that it serves calls in and out of either.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.full((1, 1, heads), 1.0 / heads, dtype=dtype, device=device)
+
+
+def _forced_rows(q: Tensor, src_len: int) -> int:
+    """Query rows per block holding at most ``_BLOCK_SCORES_BYTES`` of scores, as equal as possible."""
     B, H, L, _ = q.shape
-    row_bytes = B * H * src_len * q.element_size()
-    if q.device.type != "cpu" or row_bytes * L <= _CPU_BLOCK_SCORES_BYTES:
+    row_bytes = max(B * H * src_len * q.element_size(), 1)
+    most = max(1, _BLOCK_SCORES_BYTES // row_bytes)
+    if most >= L:
         return L
-    blocks = -(-row_bytes * L // _CPU_BLOCK_SCORES_BYTES)  # as few as the limit allows, as equal as possible
+    blocks = -(-L // most)
     return -(-L // blocks)

@@ -23,15 +23,21 @@ a graph is recorded (training), or a         scores and probabilities,          
                                              ``average_attn_weights`` their
                                              average, (B, L, S)
 no graph, per-head weights                   the weights, (B, H, L, S)             the same
-no graph, averaged, CUDA (or CPU scores      the scores of every head, softmaxed   (B, H, L, S) scores
-up to ``_CPU_BLOCK_SCORES_BYTES``)           in place, (B, H, L, S), and their     and their average,
+no graph, averaged, where one pass fits      the scores of every head, softmaxed   (B, H, L, S) scores
+(:func:`rows_per_block` returns L)           in place, (B, H, L, S), and their     and their average,
                                              average, (B, L, S)                    (B, L, S)
-no graph, averaged, CPU, larger scores       the averaged weights, (B, L, S), one  the same as above
+no graph, averaged, where it does not        the averaged weights, (B, L, S), one  the same as above
                                              block of query rows' scores,
                                              (B, H, rows, S), and its average,
                                              (B, rows, S); rows from
-                                             ``_query_rows_per_block``
+                                             :func:`rows_per_block`
 ===========================================  ====================================  =====================
+
+**One pass or blocks.** Without a graph, averaged weights take one pass, which holds what stock's
+native kernel holds, wherever it fits in the memory this process can get; only where it does not
+are they computed a block of query rows at a time (:func:`rows_per_block`), with blocks as large as
+half of that memory allows: the other half is left for what the estimate does not count. Where
+stock's pass would not fit, the blocks are what lets the call run at all.
 
 Attention dropout without a graph (a module in training mode under ``torch.no_grad``) also runs
 the path of the first row, but the guard is not told the dropout probability, so it counts such a
@@ -64,7 +70,7 @@ from torch import Tensor
 
 from ._torch_compat import is_capturing_graph
 
-__all__ = ["available_bytes", "check_weights_fit", "weights_path_bytes"]
+__all__ = ["available_bytes", "check_weights_fit", "rows_per_block", "weights_path_bytes"]
 
 # Requests below this are not checked: reading the limits costs tens of microseconds, a rounding
 # error next to writing 256 MiB of scores, and smaller requests are not where memory runs out.
@@ -109,14 +115,44 @@ def weights_path_bytes(q: Tensor, src_len: int, plan) -> tuple[int, str]:
     return head_maps + averaged, f"the scores of every head, (B, H, L, S) = {(B, H, L, S)}, {average_text}"
 
 
-def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, what: str) -> None:
-    if type(q) is not Tensor or q.device.type not in ("cpu", "cuda"):
-        return  # fake, meta and subclass tensors allocate elsewhere or not at all
-    dtype = q.dtype
-    if torch.is_autocast_enabled(q.device.type):  # matmuls may produce a narrower dtype than q's
+def rows_per_block(q: Tensor, src_len: int) -> int:
+    """Query rows that averaged weights without a graph compute at once for ``q`` ``(B, H, L, D)``:
+    all ``L`` (one pass) wherever that fits in the memory this process can get, else blocks as
+    equal as possible whose scores and the averaged weights take at most half of it (at least one
+    row: :func:`check_weights_fit` then refuses what even that cannot fit)."""
+    B, H, L, _ = q.shape
+    if B * (H + 1) * L * src_len * q.element_size() < _CHECK_ABOVE_BYTES or is_capturing_graph() or not _allocates(q):
+        return L
+    itemsize = _result_dtype(q).itemsize
+    averaged = B * L * src_len * itemsize
+    available, _ = available_bytes(q.device)
+    if available is None or B * H * L * src_len * itemsize + averaged <= available:
+        return L
+    row_bytes = B * (H + 1) * src_len * itemsize  # one query row of every head's scores and their average
+    most = max(1, (available // 2 - averaged) // max(row_bytes, 1))
+    blocks = -(-L // most)  # as few as the budget allows, as equal as possible
+    return min(L, -(-L // blocks))
+
+
+def _allocates(q: Tensor) -> bool:
+    """False for fake, meta and subclass tensors, which allocate elsewhere or not at all."""
+    return type(q) is Tensor and q.device.type in ("cpu", "cuda")
+
+
+def _result_dtype(q: Tensor) -> torch.dtype:
+    """The dtype of the scores: q's, or autocast's where its matmuls produce a narrower one."""
+    if torch.is_autocast_enabled(q.device.type):
         autocast_dtype = torch.get_autocast_dtype(q.device.type)
-        if autocast_dtype.itemsize < dtype.itemsize:
-            needed, dtype = needed * autocast_dtype.itemsize // dtype.itemsize, autocast_dtype
+        if autocast_dtype.itemsize < q.dtype.itemsize:
+            return autocast_dtype
+    return q.dtype
+
+
+def _refuse_if_too_large(q: Tensor, src_len: int, needed: int, what: str) -> None:
+    if not _allocates(q):
+        return
+    dtype = _result_dtype(q)
+    needed = needed * dtype.itemsize // q.element_size()
     available, source = available_bytes(q.device)
     if available is None or needed <= available:
         return

@@ -5,7 +5,7 @@ multi-threaded op waits for its slowest thread; a per-head loop made slim 0.3-0.
 The count is taken with ``torch.profiler`` on CPU (the ops, not their timings, are what matters, and
 they are the same ops that would run on CUDA) for every path that can run on CUDA: SDPA without
 weights, the batched weights path (averaged and per head) without a graph, and the autograd path.
-The blocked path for large averaged scores is CPU-only and not counted here.
+The blocked path, taken only where one pass does not fit in memory, is not counted here.
 """
 
 from __future__ import annotations

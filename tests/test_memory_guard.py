@@ -16,7 +16,8 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _memory_guard as guard
-from slim_mha._explicit_attention import _query_rows_per_block, plan_weights_path
+from slim_mha import _explicit_attention as explicit
+from slim_mha._explicit_attention import plan_weights_path
 from slim_mha.bench.memory import profile_step
 
 EMBED_DIM = 8
@@ -29,9 +30,18 @@ PATHS = {
     "graph_averaged": (True, True, 2, 1500),
     "graph_per_head": (True, False, 2, 1500),
     "per_head": (False, False, 2, 2100),
-    "averaged_in_one_piece": (False, True, 2, 1000),  # scores of 8 MB: one block, as on CUDA
-    "averaged_in_blocks": (False, True, 8, 2100),  # scores of 141 MB: blocks of query rows
+    "averaged_in_one_piece": (False, True, 2, 1000),  # scores of 8 MB in one pass
+    "averaged_in_blocks": (False, True, 8, 2100),  # scores of 141 MB, in blocks of at most 16 MiB
 }
+# Blocks are taken only where one pass does not fit; the blocked case forces them at this size.
+BLOCK_BYTES = 16 << 20
+
+
+@pytest.fixture(autouse=True)
+def blocks_where_named(request, monkeypatch):
+    """The blocked case in blocks of ``BLOCK_BYTES`` whatever memory this machine has."""
+    if "averaged_in_blocks" in request.node.name:
+        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
 
 
 def slim_and_stock(num_heads: int):
@@ -47,12 +57,19 @@ def estimate(grad: bool, average: bool, heads: int, tokens: int, device: str = "
     return guard.weights_path_bytes(q, tokens, plan)
 
 
-def test_the_cases_take_the_paths_they_are_named_after():
+def rows(heads: int, tokens: int) -> int:
+    q = torch.empty(1, heads, tokens, EMBED_DIM // heads)
+    return plan_weights_path(q, tokens, dropout_p=0.0, average=True, records_graph=False).rows
+
+
+def test_the_cases_take_the_paths_they_are_named_after(monkeypatch):
     """What the cases below rely on: the blocked case is blocked, the one-piece case is not."""
-    _, _, heads, tokens = PATHS["averaged_in_blocks"]
-    assert _query_rows_per_block(torch.empty(1, heads, tokens, 1), tokens) < tokens
     _, _, heads, tokens = PATHS["averaged_in_one_piece"]
-    assert _query_rows_per_block(torch.empty(1, heads, tokens, 4), tokens) == tokens
+    assert rows(heads, tokens) == tokens
+    _, _, heads, tokens = PATHS["averaged_in_blocks"]
+    assert rows(heads, tokens) == tokens  # one pass fits here
+    monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
+    assert rows(heads, tokens) < tokens
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -70,28 +87,29 @@ def test_the_estimate_is_the_peak_the_path_reaches(path):
     assert needed <= peak <= needed + LINEAR_SLACK, f"estimated {needed:,} bytes, the call's peak was {peak:,}"
 
 
-def test_blocked_averaging_needs_far_less_than_every_head_s_scores():
+def test_blocked_averaging_needs_far_less_than_every_head_s_scores(monkeypatch):
     """The point of the blocked path, and what a guard counting (B, H, L, S) would wrongly refuse."""
+    monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
     _, _, heads, tokens = PATHS["averaged_in_blocks"]
     needed, what = estimate(False, True, heads, tokens)
     every_head = heads * tokens * tokens * 4
     assert needed < every_head / 3
-    rows = _query_rows_per_block(torch.empty(1, heads, tokens, 1), tokens)
+    block_rows = rows(heads, tokens)
     assert what == (
         f"the averaged weights, (B, L, S) = (1, {tokens}, {tokens}), one block of scores, "
-        f"(B, H, rows, S) = (1, {heads}, {rows}, {tokens}), and its average"
+        f"(B, H, rows, S) = (1, {heads}, {block_rows}, {tokens}), and its average"
     )
 
 
-def test_off_the_cpu_averaged_weights_count_every_head_s_scores():
-    """CUDA computes all (B, H, L, S) scores in one piece; a meta tensor stands for any device but the CPU."""
+def test_where_one_pass_fits_averaged_weights_count_every_head_s_scores():
+    """One pass holds every head's scores and their average, as stock's native kernel does."""
     _, _, heads, tokens = PATHS["averaged_in_blocks"]
     needed, what = estimate(False, True, heads, tokens, device="meta")
     assert needed == (heads + 1) * tokens * tokens * 4
     assert what.startswith(f"the scores of every head, (B, H, L, S) = (1, {heads}, {tokens}, {tokens})")
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [path for path in PATHS if path != "averaged_in_one_piece"])
 def test_a_call_is_served_at_its_estimate_and_refused_one_byte_below(path, monkeypatch):
     grad, average, heads, tokens = PATHS[path]
     slim, stock = slim_and_stock(heads)
@@ -112,6 +130,33 @@ def test_a_call_is_served_at_its_estimate_and_refused_one_byte_below(path, monke
     message = str(refused.value)
     assert f"need at least {guard._format_bytes(needed)} ({what}, float32)" in message
     assert "pass need_weights=False" in message
+
+
+def test_averaged_weights_go_in_blocks_one_byte_below_one_pass_and_are_refused_below_one_row(monkeypatch):
+    """Without a graph the guard picks blocks where one pass does not fit, and refuses only where a
+    block of one query row does not fit either."""
+    _, _, heads, tokens = PATHS["averaged_in_one_piece"]
+    slim, stock = slim_and_stock(heads)
+    x = torch.randn(1, tokens, EMBED_DIM)
+    one_pass, _ = estimate(False, True, heads, tokens)
+    one_row = (heads + 1) * tokens * 4  # every head's scores of one query row, and their average
+    averaged = tokens * tokens * 4
+    monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
+    blocks = []
+    run_in_blocks = explicit._attention_averaged_in_blocks
+    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a: blocks.append(a[-1]) or run_in_blocks(*a))
+    with torch.no_grad():
+        expected = stock(x, x, x)
+        # One byte short of 12 MB: half of it less the 4 MB average leaves 166 rows of 12 KB: 7 blocks of 143.
+        for limit, rows in ((one_pass, None), (one_pass - 1, 143), (averaged + one_row, 1)):
+            monkeypatch.setattr(guard, "available_bytes", lambda device: (limit, "the test's limit"))
+            out, weights = slim(x, x, x)
+            assert blocks[-1:] == ([] if rows is None else [rows]), limit
+            assert_close_scaled(out, expected[0])
+            assert_close_scaled(weights, expected[1], "weights")
+        monkeypatch.setattr(guard, "available_bytes", lambda device: (averaged + one_row - 1, "the test's limit"))
+        with pytest.raises(torch.OutOfMemoryError, match="one block of scores"):
+            slim(x, x, x)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,9 +2,9 @@
 
 Subcommands, one module each, wired by ``__main__``: ``run_command`` (the matrix; the default),
 ``scale_command`` (time and memory against the number of tokens), ``detr_command`` (DETR's decoder
-layer), ``weights_command`` (averaged weights in blocks or one pass). Shared by them: ``options``
-(device and timing options), ``cases`` (the matrix), ``contenders`` (stock, slim and the floor on
-shared weights), ``allocator`` (the C allocator's warm and cold states, page faults), ``timing``
+layer), ``weights_command`` (inference with averaged weights: stock, slim, the floor). Shared by
+them: ``options`` (device and timing options), ``cases`` (the matrix), ``contenders`` (stock, slim
+and the floor on shared weights), ``allocator`` (the C allocator's warm and cold states, page faults), ``timing``
 (interleaved repeats), ``memory`` (saved, peak, parameter and optimizer bytes), ``runner`` (one
 case), ``report`` (table, targets, JSON, plot), ``load`` (busy processes), ``detr`` (the DETR
 layer). The scale sweep: ``scale_cases``, ``scale_child`` (one case's process), ``scale_memory``,

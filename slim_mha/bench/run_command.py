@@ -217,24 +217,39 @@ def _matmul_rate(device: torch.device) -> float:
     return 5 * 2 * 512**3 / max(time.perf_counter() - started, 1e-9)
 
 
+# Beside busy processes a two-thread call was measured up to about 30 times slower than alone (each
+# multi-threaded op waits for a core at its barrier); the upper end of the estimate allows 20 times.
+_SLOWDOWN = 20.0
+
+
 def _estimate(cases: list, settings, device: torch.device) -> str:
-    """The run's expected time, from each case's matmul work at the rate this machine gives now.
+    """The run's expected time as a range, from each case's matmul work at the rate this machine gives now.
 
     A case runs about ten untimed calls per contender (warm-ups, the agreement check, memory
     profiling), its cold repeats, and its warm repeats until ``max_case_s`` (past the minimum);
     each sample lasts at least ``min_sample_s``. Training counts three times the forward's work.
+    The low end takes every call at the measured rate; the high end ``_SLOWDOWN`` times slower,
+    as beside busy processes, where the warm repeats still stop at ``max_case_s``.
     """
     rate = _matmul_rate(device)
-    total = 0.0
-    for case in cases:
+
+    def case_seconds(case, slowdown: float) -> float:
         batch, length, width, _ = case.shape
         flops = 8 * batch * length * width * width + 4 * batch * length * length * width  # projections + attention
-        call = flops * (3 if case.trains else 1) / rate
+        call = flops * (3 if case.trains else 1) / rate * slowdown
         repeat = 3 * max(call, settings.min_sample_s)  # one sample of each contender
-        warm = min(settings.repeats * repeat, max(settings.max_case_s, settings.min_repeats * repeat))
-        total += 3 * 10 * call + settings.cold_repeats * repeat + warm
-    amount = f"{total:.0f} s" if total < 120 else f"{total / 60:.0f} minutes"
-    return f"expected time: about {amount} for {len(cases)} case(s) at this machine's current speed"
+        warm = min(settings.repeats * repeat, max(settings.max_case_s + repeat, settings.min_repeats * repeat))
+        return 3 * 10 * call + settings.cold_repeats * repeat + warm
+
+    low, high = (sum(case_seconds(case, slowdown) for case in cases) for slowdown in (1.0, _SLOWDOWN))
+    return (
+        f"expected time: {_duration(low)} to {_duration(high)} for {len(cases)} case(s) "
+        "(quiet to beside busy processes)"
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(seconds, 1):.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
 
 
 def _busy_machine_note(results: list[dict], busy: int) -> str | None:
@@ -296,7 +311,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(_estimate(cases, settings, device), flush=True)  # at the speed the busy processes leave
         _run_cases(cases, device, args, payload, json_path)
 
-    checks = evaluate_targets(payload["cases"], device.type)
+    checks = evaluate_targets(payload["cases"], device.type, busy=args.busy)
     payload["targets"] = [check.as_dict() for check in checks]
     if not args.no_plot:
         notes.append(plot_speedup(payload["cases"], args.plot or json_path.with_suffix(".png")))

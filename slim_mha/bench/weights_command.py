@@ -1,56 +1,60 @@
-"""``python -m slim_mha.bench weights``: averaged weights on CPU, in blocks of query rows or in one pass.
+"""``python -m slim_mha.bench weights``: inference with averaged weights, stock's default call.
 
-Above a size, slim computes averaged attention weights on CPU a few blocks of query rows at a time
-(``slim_mha/_explicit_attention.py``); one pass would hold the whole ``(B, H, L, S)`` scores at once.
-This times stock, slim in blocks and slim forced to one pass, interleaved, beside ``--busy`` busy
-processes, with the allocator warm, cold or as inherited (``allocator.py``); it prints the ratios
-of the medians and the paired per-repeat medians. ``--min-sample-ms 0``
-times single calls, as a plain loop would. It sets a private constant to force one pass: a measuring
-tool, not an API.
+Times stock (its native kernel), slim and the floor (the bare score matmul, softmax, value matmul
+and mean over heads, with the projections: ``contenders.py``) interleaved, at the shapes of every
+weights case of the quick matrix, beside ``--busy`` busy processes, with the allocator warm, cold
+or as inherited (``allocator.py``). Prints stock/slim and slim/floor both as the ratio of the
+medians and as the median (with quartiles) of the per-repeat ratio, and each contender's peak
+memory. ``--blocks N`` also times slim forced into N blocks of query rows, the path it takes only
+where one pass does not fit in memory (``--min-sample-ms 0`` times single calls, as a plain loop
+would).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .. import _explicit_attention as explicit
-from ..attention import SlimMultiheadAttention
 from .allocator import allocator_state, prepare_cold_call
-from .cases import parse_shape
-from .contenders import output_error
+from .cases import TARGET_SHAPES, Case, parse_shape
+from .contenders import Contender, build_contenders, output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
 from .report import write_json
-from .runner import _load_average, _paired_ratio, describe_environment
+from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment, measure_step_memory
 from .timing import measure
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DEFAULT_SHAPES", "add_parser", "run"]
 
-_DEFAULT_SHAPES = ("4x512x512x8",)
-_ONE_PASS = 1 << 62  # a block limit no scores reach
+# The quick matrix's weights shapes and the smallest of its sweep: where stock's native kernel is
+# the floor, so slim has the least room.
+DEFAULT_SHAPES = (*TARGET_SHAPES, (16, 64, 256, 8))
+_PAIRS = (("stock", "slim"), ("slim", "floor"), ("stock", "blocks"))
 _EXAMPLES = """\
 examples:
-  python -m slim_mha.bench weights --busy 2 --repeats 41
+  python -m slim_mha.bench weights                       # the default shapes, quiet
+  python -m slim_mha.bench weights --busy 1 --repeats 21  # beside one busy process
+  python -m slim_mha.bench weights --shape 4x512x512x8 --blocks 2 --threads 1
   python -m slim_mha.bench weights --busy 2 --allocator inherited --min-sample-ms 0 --warmup 0
-  python -m slim_mha.bench weights --shape 8x128x256x8 --shape 2x1024x256x8
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "weights",
-        help="CPU averaged weights: stock, slim in blocks, slim in one pass",
+        help="inference with averaged weights: stock, slim and the floor (and slim in blocks)",
         description=__doc__.split("\n\n")[1],
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--shape", action="append", metavar="BxLxExH", help="batch x seq_len x embed_dim x heads (default: 4x512x512x8)"
+        "--shape", action="append", metavar="BxLxExH",
+        help="batch x seq_len x embed_dim x heads; repeatable (default: 4x512x512x8, 8x128x256x8, 16x64x256x8)",
     )
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
     parser.add_argument(
@@ -59,97 +63,139 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="warm",
         help="the C allocator's state while timing (default: warm; inherited: as the process left it)",
     )
+    parser.add_argument(
+        "--blocks", type=int, default=0, metavar="N", help="also time slim forced into N blocks of query rows"
+    )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)", cold=False)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.set_defaults(handler=run, parser=parser)
     return parser
 
 
-def _contenders(shape: tuple[int, int, int, int], cold: bool) -> tuple[dict, dict[str, float]]:
-    """The three timed steps, and the relative error of slim's outputs (blocks, one pass) against stock's."""
-    batch, length, width, heads = shape
-    stock = nn.MultiheadAttention(width, heads, batch_first=True).eval()
-    with torch.no_grad():
-        stock.in_proj_bias.normal_(std=0.1)
-    slim = SlimMultiheadAttention(width, heads, batch_first=True).eval()
-    slim.load_state_dict(stock.state_dict())
-    x = torch.randn(batch, length, width)  # (B, L, E)
-    blocks = explicit._CPU_BLOCK_SCORES_BYTES
+def _in_blocks(slim: Contender, shape: tuple[int, int, int, int], blocks: int) -> Contender:
+    """Slim with its averaged weights forced into ``blocks`` blocks of query rows."""
+    batch, length, _, heads = shape
+    block_bytes = batch * heads * length * -(-length // blocks) * 4  # fp32 scores of one block
 
-    def slim_with(limit: int):
-        def step() -> None:
-            explicit._CPU_BLOCK_SCORES_BYTES = limit
+    def forced(call):
+        def run_forced():
+            explicit._BLOCK_SCORES_BYTES = block_bytes
             try:
-                with torch.inference_mode():
-                    slim(x, x, x, need_weights=True)
+                return call()
             finally:
-                explicit._CPU_BLOCK_SCORES_BYTES = blocks
+                explicit._BLOCK_SCORES_BYTES = None
 
-        return step
+        return run_forced
 
-    def stock_step() -> None:
+    def step() -> None:
         with torch.inference_mode():
-            stock(x, x, x, need_weights=True)
+            forced(slim.forward)()
 
-    def outputs(limit: int | None):
-        explicit._CPU_BLOCK_SCORES_BYTES = blocks if limit is None else limit
-        try:
-            with torch.inference_mode():
-                return (stock if limit is None else slim)(x, x, x, need_weights=True)
-        finally:
-            explicit._CPU_BLOCK_SCORES_BYTES = blocks
+    return Contender("blocks", step, forced(slim.forward), slim.parameters, slim.reset, slim.external)
 
-    reference = outputs(None)
-    errors = {"blocks": output_error(reference, outputs(blocks)), "one pass": output_error(reference, outputs(_ONE_PASS))}
-    reset = prepare_cold_call if cold else (lambda: None)
-    steps = {"stock": (stock_step, reset), "blocks": (slim_with(blocks), reset), "one pass": (slim_with(_ONE_PASS), reset)}
-    return steps, errors
+
+def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
+    device = torch.device("cpu")
+    load_before = _load_average()
+    case = Case(*shape, "self", True, "inference", "fp32")
+    contenders = build_contenders(case, device, seed=settings.seed)
+    if args.blocks:
+        contenders["blocks"] = _in_blocks(contenders["slim"], shape, args.blocks)
+    with torch.inference_mode():
+        outputs = {name: contender.forward() for name, contender in contenders.items()}
+    errors = {name: output_error(outputs["stock"], outputs[name]) for name in contenders if name != "stock"}
+    del outputs
+    peaks = {name: measure_step_memory(c, device, trains=False)[0]["peak_bytes"] for name, c in contenders.items()}
+    cold = args.allocator == "cold"
+    steps = {name: (c.step, prepare_cold_call if cold else c.reset) for name, c in contenders.items()}
+    timings = measure(steps, device, settings)
+    samples = {name: summary.samples_ms for name, summary in timings.items()}
+    pairs = [(a, b) for a, b in _PAIRS if a in timings and b in timings]
+    return {
+        "shape": list(shape),
+        "median_ms": {name: summary.median_ms for name, summary in timings.items()},
+        "ratios": {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in pairs},
+        "paired_ratios": {
+            f"{a}_over_{b}": {"median": _paired_ratio(samples[a], samples[b]),
+                              "quartiles": _paired_quartiles(samples[a], samples[b])}
+            for a, b in pairs
+        },
+        "peak_bytes": peaks,
+        "faults_per_call": {name: summary.faults_per_call for name, summary in timings.items()},
+        "samples_ms": samples,
+        "calls_per_sample": timings["stock"].calls_per_sample,
+        "relative_error": errors,
+        "load_average": [load_before, _load_average()],
+    }
+
+
+def format_result(result: dict, busy: int, allocator: str) -> str:
+    """One shape's block of lines, each under 100 columns."""
+    batch, length, width, heads = result["shape"]
+    ms, peaks = result["median_ms"], result["peak_bytes"]
+    names = list(ms)
+    loads = [load for load in result["load_average"] if load is not None]
+    load = f", 1-minute load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    lines = [
+        f"B={batch} L={length} E={width} H={heads}, busy {busy}, allocator {allocator}, "
+        f"{torch.get_num_threads()} threads{load}",
+        "  ms (median)    " + "  ".join(f"{name} {ms[name]:.2f}" for name in names),
+    ]
+    for key, paired in result["paired_ratios"].items():
+        low, high = paired["quartiles"]
+        label = key.replace("_over_", "/")
+        lines.append(
+            f"  {label:<13}  {result['ratios'][key]:.3f}x ratio of medians; paired {paired['median']:.3f}x "
+            f"(quartiles {low:.2f}-{high:.2f})"
+        )
+    lines.append("  peak MiB       " + "  ".join(f"{name} {peaks[name] / 2**20:.1f}" for name in names))
+    lines.append("  faults/call    " + "  ".join(f"{name} {result['faults_per_call'][name]:.0f}" for name in names))
+    errors = result["relative_error"]
+    lines.append("  relative error against stock: " + ", ".join(f"{name} {errors[name]:.1e}" for name in errors))
+    return "\n".join(lines)
+
+
+def format_verdict(results: list[dict], busy: int) -> str:
+    """What holds over the shapes, in the words of the benchmark's targets."""
+    least = 1.0 if busy == 0 else 0.97
+    speed = [result["paired_ratios"]["stock_over_slim"]["median"] for result in results]
+    floor = [result["paired_ratios"]["slim_over_floor"]["median"] for result in results]
+    memory = [result["peak_bytes"]["slim"] <= result["peak_bytes"]["stock"] for result in results]
+    return "\n".join([
+        f"stock/slim (paired) >= {least:.2f} {'quiet' if busy == 0 else 'beside busy processes'}: "
+        f"{sum(ratio >= least for ratio in speed)}/{len(results)} shapes (least {min(speed):.3f}x)",
+        f"slim/floor (paired) <= 1.05: {sum(ratio <= 1.05 for ratio in floor)}/{len(results)} shapes "
+        f"(most {max(floor):.3f}x)",
+        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes",
+    ])
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Time the weights paths as ``args`` say; ``argv`` is recorded as the command."""
     parser, device = args.parser, torch.device("cpu")
     try:
-        shapes = [parse_shape(text) for text in args.shape or _DEFAULT_SHAPES]
+        shapes = [parse_shape(text) for text in args.shape] if args.shape else list(DEFAULT_SHAPES)
     except ValueError as error:
         parser.error(f"--shape: {error}")
     if args.busy < 0 or args.busy > 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
+    if args.blocks < 0 or any(args.blocks > length for _, length, _, _ in shapes):
+        parser.error(f"--blocks must be between 0 and every shape's sequence length, got {args.blocks}")
     settings = timing_settings(parser, args, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(settings.seed)
     state = contextlib.nullcontext() if args.allocator == "inherited" else allocator_state(args.allocator)
-    print(f"expected time: at most about {len(shapes) * (settings.max_case_s + 2):.0f} s", flush=True)
-    results = []
+    # Each shape stops adding repeats after max_case_s; before them come a few untimed calls per
+    # contender (agreement, memory, warm-up), a second or two beside busy processes.
+    print(f"expected time: at most about {len(shapes) * (settings.max_case_s + 3):.0f} s", flush=True)
+    started, results = time.perf_counter(), []
     with competing_load(args.busy, 1800), state:
         for shape in shapes:
-            load_before = _load_average()
-            steps, errors = _contenders(shape, args.allocator == "cold")
-            timings = measure(steps, device, settings)
-            ms = {name: summary.median_ms for name, summary in timings.items()}
-            paired = {name: _paired_ratio(timings["stock"].samples_ms, timings[name].samples_ms)
-                      for name in ("blocks", "one pass")}
-            results.append({
-                "shape": list(shape),
-                "median_ms": ms,
-                "faults_per_call": {name: summary.faults_per_call for name, summary in timings.items()},
-                "paired_stock_over": paired,
-                "samples_ms": {name: summary.samples_ms for name, summary in timings.items()},
-                "calls_per_sample": timings["stock"].calls_per_sample,
-                "relative_error": errors,
-                "load_average": [load_before, _load_average()],
-            })
-            print(
-                f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}, busy {args.busy}, allocator {args.allocator}: "
-                f"ms stock {ms['stock']:.1f}, blocks {ms['blocks']:.1f}, one pass {ms['one pass']:.1f}\n"
-                f"  stock/blocks {ms['stock'] / ms['blocks']:.2f}x (paired {paired['blocks']:.2f}x), stock/one-pass "
-                f"{ms['stock'] / ms['one pass']:.2f}x (paired {paired['one pass']:.2f}x)\n"
-                f"  faults/call stock {timings['stock'].faults_per_call:.0f}, blocks "
-                f"{timings['blocks'].faults_per_call:.0f}, one pass {timings['one pass'].faults_per_call:.0f}\n"
-                f"  relative error against stock: blocks {errors['blocks']:.1e}, one pass {errors['one pass']:.1e}",
-                flush=True,
-            )
+            results.append(_run_shape(shape, args, settings))
+            print(format_result(results[-1], args.busy, args.allocator), flush=True)
+    print(format_verdict(results, args.busy))
+    print(f"elapsed {time.perf_counter() - started:.0f} s")
     if args.json:
         payload = {"command": " ".join(["python -m slim_mha.bench", *argv]), "settings": settings.__dict__,
                    "allocator_state": args.allocator, "busy_processes": args.busy,

@@ -1,0 +1,176 @@
+"""Every weights path against stock: one pass, blocks of query rows, and the memory guard's choice.
+
+Without a graph, averaged weights take one pass wherever it fits in memory and blocks of query
+rows where it does not (``_memory_guard.rows_per_block``). Each path runs here on small inputs,
+through the module, over the attention kinds, appended tokens and masks, and is compared with
+stock ``nn.MultiheadAttention``: the path is forced (``_BLOCK_SCORES_BYTES``) or chosen by the guard
+under a memory limit the test sets. Timing is the benchmark's (``python -m slim_mha.bench weights``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from _reference import STOCK_MHA, assert_close_scaled, attention_tokens, randomize_parameters
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha import _explicit_attention as explicit
+from slim_mha import _memory_guard as guard
+from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
+
+BATCH, TGT_LEN, SRC_LEN, EMBED, HEADS = 2, 7, 5, 12, 3
+MASKS = ("none", "key_padding", "attn_mask_float", "attn_mask_bool")
+# One pass, blocks of one query row, blocks of about a third of the rows (the last one shorter where
+# they do not divide), and the blocks the guard picks one byte short of one pass.
+PATHS = ("one_pass", "blocks_of_1", "blocks_of_a_third", "guard_blocks")
+
+
+def modules(kind: str, appended: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    widths = {"kdim": 10, "vdim": 6} if kind == "kdim_vdim" else {}
+    options = dict(batch_first=True, dtype=dtype, **appended_options(appended), **widths)
+    stock = randomize_parameters(STOCK_MHA(EMBED, HEADS, **options))
+    slim = SlimMultiheadAttention(EMBED, HEADS, **options)
+    slim.load_state_dict(stock.state_dict())
+    return stock.eval(), slim.eval()
+
+
+def inputs(kind: str, mask: str, appended: str, dtype: torch.dtype) -> tuple[tuple, dict]:
+    generator = torch.Generator().manual_seed(len(kind) * 7 + len(mask))
+    tgt_len = TGT_LEN if kind != "self" else SRC_LEN
+    tokens = attention_tokens(
+        kind, batched=True, batch_first=True, dtype=dtype, generator=generator, batch=BATCH,
+        tgt_len=tgt_len, src_len=SRC_LEN, embed_dim=EMBED, kdim=10, vdim=6,
+    )
+    src_len = SRC_LEN + int("bias_kv" in appended or appended == "both") + int("zero" in appended or appended == "both")
+    masks = {}
+    if mask == "key_padding":
+        padding = torch.zeros(BATCH, SRC_LEN, dtype=torch.bool)
+        padding[0, -2:] = True
+        masks["key_padding_mask"] = padding
+    elif mask.startswith("attn_mask"):
+        attn_mask = torch.randn(BATCH * HEADS, tgt_len, src_len - (src_len - SRC_LEN), generator=generator)
+        masks["attn_mask"] = attn_mask > 1.5 if mask.endswith("bool") else attn_mask.to(dtype)
+    return tokens, masks
+
+
+def force(path: str, monkeypatch, rows_seen: list, one_pass_bytes: int) -> None:
+    """Make the averaged no-graph call take ``path``; record the rows of every blocked call."""
+    run_in_blocks = explicit._attention_averaged_in_blocks
+    monkeypatch.setattr(
+        explicit, "_attention_averaged_in_blocks", lambda *a: rows_seen.append(a[-1]) or run_in_blocks(*a)
+    )
+    if path == "blocks_of_1":
+        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", 1)
+    elif path == "blocks_of_a_third":
+        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", one_pass_bytes // 3)
+    elif path == "guard_blocks":  # one byte short of one pass
+        monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
+        monkeypatch.setattr(guard, "available_bytes", lambda device: (one_pass_bytes - 1, "the test's limit"))
+
+
+def compare(kind, appended, mask, path, monkeypatch, *, dtype=torch.float64, mode="inference_mode", average=True):
+    stock, slim = modules(kind, appended, dtype)
+    tokens, masks = inputs(kind, mask, appended, dtype)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        expected = stock(*tokens, average_attn_weights=average, **masks)
+        rows_seen = []
+        tgt_len, src_len = expected[1].shape[-2:]
+        force(path, monkeypatch, rows_seen, BATCH * (HEADS + 1) * tgt_len * src_len * dtype.itemsize)
+        out, weights = slim(*tokens, average_attn_weights=average, **masks)
+    assert_close_scaled(out, expected[0])
+    assert_close_scaled(weights, expected[1], "weights")
+    return rows_seen
+
+
+CASES = list(itertools.product(ATTENTION_KINDS, APPENDED, MASKS, PATHS))
+
+
+@pytest.mark.parametrize("kind,appended,mask,path", CASES)
+def test_every_path_matches_stock(kind, appended, mask, path, monkeypatch):
+    rows_seen = compare(kind, appended, mask, path, monkeypatch)
+    tgt_len = SRC_LEN if kind == "self" else TGT_LEN
+    if path == "one_pass":
+        assert rows_seen == []
+    elif path == "blocks_of_1":
+        assert rows_seen == [1]
+    elif path == "blocks_of_a_third":
+        assert len(rows_seen) == 1 and 1 < rows_seen[0] < tgt_len, rows_seen
+    else:
+        assert len(rows_seen) == 1 and rows_seen[0] < tgt_len, rows_seen
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_every_path_matches_stock_in_each_dtype_and_mode(path, dtype, mode, monkeypatch):
+    compare("self", "none", "key_padding", path, monkeypatch, dtype=dtype, mode=mode)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_per_head_weights_take_one_pass_whatever_memory_says(path, monkeypatch):
+    """Per-head weights are (B, H, L, S) anyway: blocks would save nothing."""
+    assert compare("cross", "none", "attn_mask_float", path, monkeypatch, average=False) == []
+
+
+def test_half_precision_one_pass_is_as_close_to_float64_as_stock():
+    """bf16: slim's one pass against a float64 run, allowed twice stock's error plus the tolerance."""
+    stock, slim = modules("self", "none", torch.float64)
+    x = torch.randn(BATCH, 9, EMBED, dtype=torch.float64)
+    with torch.inference_mode():
+        exact = stock(x, x, x)
+        stock_half, slim_half = stock.to(torch.bfloat16), slim.to(torch.bfloat16)
+        xh = x.to(torch.bfloat16)
+        errors = [
+            max((a.double() - b).abs().max().item() for a, b in zip(module(xh, xh, xh), exact))
+            for module in (stock_half, slim_half)
+        ]
+    assert errors[1] <= 2 * errors[0] + 2e-2, errors
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+def test_an_empty_batch_or_sequence_takes_one_pass(shape, monkeypatch):
+    batch, length = shape
+    stock, slim = modules("self", "none", torch.float32)
+    x = torch.randn(batch, length, EMBED)
+    with torch.inference_mode():
+        out, weights = slim(x, x, x)
+        expected = stock(x, x, x)
+    assert out.shape == expected[0].shape and weights.shape == expected[1].shape
+
+
+def test_one_pass_is_taken_for_large_scores_where_memory_suffices(monkeypatch):
+    """Blocks only where one pass would not fit: not above any fixed size."""
+    q = torch.empty(1, 8, 4096, 8)  # (B, H, L, D): 512 MiB of float32 scores
+    plan = lambda: explicit.plan_weights_path(q, 4096, dropout_p=0.0, average=True, records_graph=False)  # noqa: E731
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (1 << 40, "the test's limit"))
+    assert plan().rows == 4096
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (None, "unknown"))
+    assert plan().rows == 4096
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (256 << 20, "the test's limit"))
+    # Half of 256 MiB less the 64 MiB average leaves 64 MiB: 455 rows of 144 KiB (8 heads' scores and
+    # their average), so 10 blocks of 410 rows.
+    assert plan().rows == 410
+
+
+def test_the_comparison_fails_on_a_wrong_average(monkeypatch):
+    """The check can fail: weights summed over heads instead of averaged, on the one-pass path."""
+    monkeypatch.setattr(explicit, "_mean_over_heads", lambda scores: scores.sum(dim=1))
+    with pytest.raises(AssertionError, match="weights: max error"):
+        compare("self", "none", "none", "one_pass", monkeypatch)
+
+
+def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mode():
+    """The one constant the path keeps: a row of 1/H, keyed on everything it depends on."""
+    rows = [explicit._head_average(heads, dtype, torch.device("cpu"))
+            for heads, dtype in ((3, torch.float32), (4, torch.float32), (3, torch.float64))]
+    assert [(row.shape[-1], row.dtype) for row in rows] == [(3, torch.float32), (4, torch.float32), (3, torch.float64)]
+    assert rows[0] is explicit._head_average(3, torch.float32, torch.device("cpu"))
+    assert not any(row.is_inference() or row.requires_grad for row in rows)
+    stock, slim = modules("self", "none", torch.float32)
+    x = torch.randn(BATCH, 5, EMBED)
+    for context in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with context():
+            assert_close_scaled(slim(x, x, x)[1], stock(x, x, x)[1], "weights")
