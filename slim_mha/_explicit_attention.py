@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
-from ._torch_compat import is_capturing_or_transforming
+from ._torch_compat import is_capturing_or_transforming, is_symbolic_call
 
 __all__ = ["WeightsPlan", "attention_with_weights", "plan_weights_path"]
 
@@ -47,7 +47,8 @@ def plan_weights_path(
     q: Tensor, src_len: int, *, dropout_p: float, average: bool, records_graph: bool
 ) -> WeightsPlan:
     """The path for ``q`` ``(B, H, L, D)`` and ``src_len`` keys (appended tokens included)."""
-    functional = records_graph or dropout_p > 0.0 or is_capturing_or_transforming()
+    # Symbolic calls (fake tensors, dispatch modes) too: the one-pass path keeps a cached constant.
+    functional = records_graph or dropout_p > 0.0 or is_symbolic_call(q)
     rows = q.shape[2]
     if average and not functional:
         rows = rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len)

@@ -682,27 +682,9 @@ def test_averaged_weights_in_blocks_of_query_rows_match_stock(monkeypatch, kpm, 
     """Large averaged-weights calls on CPU go a block of query rows at a time; force it on small inputs."""
     import slim_mha._explicit_attention
 
-    monkeypatch.setattr(slim_mha._explicit_attention, "_CPU_BLOCK_SCORES_BYTES", 1)  # one query row per block
+    monkeypatch.setattr(slim_mha._explicit_attention, "_BLOCK_SCORES_BYTES", 1)  # one query row per block
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(
         Case(key_padding_mask=kpm, attn_mask=attn_mask, appended=appended, mode=mode, weights="averaged", kind="cross")
     )
-
-
-def test_blocks_are_used_above_the_threshold_and_only_for_averaged_weights(monkeypatch):
-    import slim_mha._explicit_attention as explicit
-
-    calls = []
-    original = explicit._attention_averaged_in_blocks
-    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a: calls.append(a[-1]) or original(*a))
-    stock, slim = stock_and_slim(batch_first=True)
-    small, large = torch.randn(1, 8, E), torch.randn(3, 1200, E)  # scores: 1 KiB and 69 MiB
-    with torch.no_grad():
-        slim(small, small, small)
-        assert calls == []
-        weights = slim(large, large, large)[1]
-        torch.testing.assert_close(weights, stock(large, large, large)[1], atol=1e-6, rtol=1e-5)
-        assert calls == [240]  # 5 blocks of at most 16 MiB of scores: 1200 rows / 5
-        slim(large, large, large, average_attn_weights=False)  # the result is (B, H, L, S) anyway
-    assert calls == [240]
