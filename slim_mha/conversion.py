@@ -83,8 +83,8 @@ def fold_value_bias(module: nn.Module) -> nn.Module:
     is harmless.
 
     Raises:
-        ValueError: if the tree holds a stock ``nn.MultiheadAttention`` (its value bias is packed in
-            ``in_proj_bias``: run :func:`convert` first), or a module with ``add_zero_attn=True``.
+        ValueError: if the tree holds a stock ``nn.MultiheadAttention`` (its forward cannot refuse the
+            rows the fold gets wrong: run :func:`convert` first), or a module with ``add_zero_attn=True``.
         RuntimeError: if a module is in training mode with ``dropout > 0``.
 
     Returns:
@@ -95,8 +95,9 @@ def fold_value_bias(module: nn.Module) -> nn.Module:
     for name, child in module.named_modules():
         if _is_stock(child):
             raise ValueError(
-                f"fold_value_bias: module {_describe(name)} is a stock nn.MultiheadAttention, whose value "
-                "bias is packed into in_proj_bias; run slim_mha.convert(module) first"
+                f"fold_value_bias: module {_describe(name)} is a stock nn.MultiheadAttention, whose forward "
+                "cannot refuse the query rows a folded value bias gets wrong (rows masked from every key); "
+                "run slim_mha.convert(module) first"
             )
         if not isinstance(child, SlimMultiheadAttention) or child.in_proj_bias is None or has_folded_value_bias(child):
             continue

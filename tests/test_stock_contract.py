@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention, convert
