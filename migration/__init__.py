@@ -88,7 +88,8 @@ def strip_checkpoint(
     follow_outside_links: bool = False,
     allow_expand: bool = False,
 ) -> MigrationReport:
-    """Drop the key slice of every ``in_proj_bias``; refuse where that is not exact.
+    """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): the smallest file, which only
+    slim_mha loads. Refuses where dropping the key bias is not exact.
 
     Dropping ``b_k`` is exact unless the module appends tokens after the projection: with ``bias_k``
     (``add_bias_kv``) or a module marked in ``zero_attn`` it refuses, pointing to :func:`fold`.
@@ -150,10 +151,12 @@ def fold_checkpoint(
     follow_outside_links: bool = False,
     allow_expand: bool = False,
 ) -> MigrationReport:
-    """Convert every stock module to the slim layout, exactly, wherever its key bias sits.
+    """Write stock's layout with the key slot of every ``in_proj_bias`` zeroed: a file that stock
+    ``nn.MultiheadAttention`` and slim_mha both load, computing the original outputs exactly.
 
-    ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` keep ``b_k`` as
-    ``k_proj_bias``. The arguments are those of :func:`strip_checkpoint`.
+    With ``add_bias_kv``, ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` need
+    their key bias and are left as stock has them; a key-bias-free input is turned back into stock's
+    layout. The arguments are those of :func:`strip_checkpoint`.
     """
     from ._migrate import migrate
 

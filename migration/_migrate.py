@@ -316,23 +316,24 @@ def _records_zero_attn(checkpoint: Checkpoint) -> bool:
 def _unchanged(plans: list[ModulePlan]) -> str:
     """Why no module changes, in the words of each plan's action (those inspect prints)."""
     state = "stock" if plans[0].mode == "to-stock" else "slim"
-    reasons = {"already": 0, "no input bias": 0}
+    # The words in a plan's action that give its reason, and the reason for one module and for several.
+    reasons = {
+        "already": (f"is already in the {state} layout", f"are already in the {state} layout"),
+        "add_zero_attn": ("keeps its key bias (add_zero_attn)", "keep their key bias (add_zero_attn)"),
+        "no input bias": ("has no input biases (bias=False)", "have no input biases (bias=False)"),
+    }
+    counts = dict.fromkeys(reasons, 0)
     for plan in plans:
-        reasons["no input bias" if "no input bias" in plan.action else "already"] += 1
+        counts[next((words for words in reasons if words in plan.action), "already")] += 1
+    found = [(count, reasons[words]) for words, count in counts.items() if count]
     if len(plans) == 1:
-        return (
-            f"its attention module '{shown(plans[0].group.name)}' "
-            + ("has no input biases (bias=False)" if reasons["no input bias"] else f"is already in the {state} layout")
-        )
-    if not reasons["no input bias"]:
-        return f"all {len(plans)} attention modules are already in the {state} layout"
-    if not reasons["already"]:
+        return f"its attention module '{shown(plans[0].group.name)}' {found[0][1][0]}"
+    if counts["no input bias"] == len(plans):
         return f"none of its {len(plans)} attention modules has input biases (bias=False)"
-    already, biasless = reasons["already"], reasons["no input bias"]
-    return (
-        f"of its {len(plans)} attention modules, {already} {'is' if already == 1 else 'are'} already in the "
-        f"{state} layout and {biasless} {'has' if biasless == 1 else 'have'} no input biases (bias=False)"
-    )
+    if len(found) == 1:
+        return f"all {len(plans)} attention modules {found[0][1][1]}"
+    parts = [f"{count} {one if count == 1 else several}" for count, (one, several) in found]
+    return f"of its {len(plans)} attention modules, " + " and ".join(parts)
 
 
 # ------------------------------------------------------------------------------------ per module

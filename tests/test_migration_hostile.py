@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, to_stock_checkpoint
+from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from slim_mha.migration._destination import _resolved
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import reads_pickles, refusal, run_cli
@@ -99,7 +99,7 @@ def test_a_shard_linking_outside_src_is_refused(tmp_path):
     )
     assert not (tmp_path / "out").exists()
     fold_checkpoint(model, tmp_path / "out", follow_outside_links=True)
-    assert "enc.attn.q_proj_bias" in load_file(tmp_path / "out" / shard.name)
+    assert "enc.attn.in_proj_bias" in load_file(tmp_path / "out" / shard.name)
 
 
 def test_links_inside_src_are_followed(tmp_path):
@@ -385,9 +385,9 @@ def _flip_after_writing(monkeypatch, key: str) -> None:
     monkeypatch.setattr(migrate_module, "write_safetensors", faulty)
 
 
-# Every tensor of the output: copied (weights, out_proj) and converted (q/v biases) alike.
+# Every tensor of the output: copied (weights, out_proj) and converted (in_proj_bias) alike.
 _KEYS = sorted(f"{prefix}.attn.{local}" for prefix in ("dec", "enc") for local in (
-    "in_proj_weight", "q_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"))
+    "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"))
 
 
 @pytest.mark.parametrize("key", _KEYS)
@@ -420,8 +420,8 @@ def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
     assert "verified 3 written files by reading them back: every tensor matches the source or its conversion" in out
     assert ("verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
             "was built with it, rerun with --zero-attn (see inspect)") in out
-    code, out, _ = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*"], capsys)
-    assert code == 0 and "verify assumed" not in out
+    code, out, err = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*.attn"], capsys)
+    assert code == 1 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
 
 
 # ------------------------------------------------------------------------ torch < 2.6
@@ -476,7 +476,7 @@ def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path, key, 
 def test_to_stock_reports_the_size_on_disk(tmp_path):
     source = tmp_path / "stock.safetensors"
     save_file(prefixed(stock_attention(), "attn."), source)
-    fold_checkpoint(source, tmp_path / "slim.safetensors")
+    strip_checkpoint(source, tmp_path / "slim.safetensors")
     report = to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "back.safetensors")
     assert report.output_bytes == (tmp_path / "back.safetensors").stat().st_size
 
