@@ -171,9 +171,10 @@ def _expected_bytes(tensor: OutputTensor, sources: dict, stack: ExitStack):
     if in_memory is not None:
         what = "the converted tensor" if tensor.tensor is not None else f"the tensor in {shown(record.shard.path)}"
         return memoryview(in_memory.contiguous().reshape(-1).view(torch.uint8).numpy()), 0, what
-    if record.shard.path not in sources:
-        sources[record.shard.path] = _mapped(record.shard.path, stack)
-    return sources[record.shard.path], record.offset, f"its bytes in {shown(record.shard.path)}"
+    opened = record.shard.file
+    if opened.path not in sources:  # the opened shard itself, never its path again
+        sources[opened.path] = stack.enter_context(mmap.mmap(opened.descriptor, 0, access=mmap.ACCESS_READ))
+    return sources[opened.path], record.offset, f"its bytes in {shown(opened.path)}"
 
 
 def _first_difference(written, written_start: int, source, source_start: int, length: int) -> int | None:

@@ -63,7 +63,8 @@ def save_sharded(tensors: dict[str, Tensor], directory: Path, shards: list[list[
         weight_map.update({key: name for key in keys})
     assert set(weight_map) == set(tensors), "every tensor must be in exactly one shard"
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    index = {"metadata": {"total_size": total, "origin": "tests"}, "weight_map": weight_map}
+    ours = {key: value for key, value in (metadata or {}).items() if key.startswith("slim_mha.")}  # an output's
+    index = {"metadata": {"total_size": total, "origin": "tests", **ours}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return directory
 

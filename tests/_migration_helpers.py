@@ -41,10 +41,14 @@ reads_pickles = pytest.mark.skipif(
 )
 
 
+# What every output of slim-mha-migrate carries, and what --force looks for before replacing a file.
+OURS = {"slim_mha.format_version": "1", "slim_mha.mode": "fold"}
+
+
 def old_output(path: Path, value: float = 0.0) -> bytes:
-    """A small safetensors file at ``path``, standing for an earlier output that --force may replace;
-    returns its bytes, to prove it unchanged."""
-    save_file({"old": torch.full((2,), value)}, path)
+    """A small safetensors file at ``path`` carrying this tool's metadata, standing for an earlier output
+    that --force may replace; returns its bytes, to prove it unchanged."""
+    save_file({"old": torch.full((2,), value)}, path, metadata=OURS)
     return path.read_bytes()
 
 

@@ -431,13 +431,23 @@ def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
     pickled = tmp_path / "stock.pt"
     torch.save(prefixed(stock_attention(), "attn."), pickled)
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "stock.safetensors")
-    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.5.1+cpu")
+    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.9.1+cpu")
     assert refusal(ValueError, fold_checkpoint, pickled, tmp_path / "out.safetensors") == (
-        f"{pickled}: needs torch ≥ 2.6 to read .pt safely; convert with safetensors or upgrade"
+        f"{pickled}: refused: reading a pickle (.pt, .bin...) needs a torch release >= 2.10.0, whose weights-only "
+        "unpickler a crafted file cannot use to run code, and this is torch 2.9.1+cpu; upgrade torch, or save "
+        "the weights as safetensors"
     )
     fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "out.safetensors")
-    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.6.0")
-    assert checkpoint_module.torch_reads_pickles_safely()
+
+
+@pytest.mark.parametrize(("version", "safe"), [
+    ("2.5.1", False), ("2.6.0", False), ("2.9.1+cu121", False), ("2.10.0.dev20251001", False),
+    ("2.10.0a0+git1234", False), ("2.10.0rc1", False), ("2.6.0.dev20241112", False),
+    ("2.10.0", True), ("2.10.0+cpu", True), ("2.13.0", True), ("3.0.0", True),
+])
+def test_pickles_need_a_torch_release_of_at_least_2_10(version, safe):
+    """Pre-releases and dev builds of a fixed version may predate the fix: only a release counts."""
+    assert checkpoint_module.torch_reads_pickles_safely(version) is safe
 
 
 # ------------------------------------------------------------------------ messages

@@ -71,12 +71,12 @@ def _count_reading(monkeypatch) -> tuple[Counter, Counter]:
     headers, reads = Counter(), Counter()
     real_header, real_open, real_read = checkpoint_module._read_header, checkpoint_module.safe_open, TensorRecord.read
 
-    def counted_header(path):
-        headers[("parse", path.name)] += 1
-        return real_header(path)
+    def counted_header(opened):
+        headers[("parse", opened.path.name)] += 1
+        return real_header(opened)
 
-    def counted_open(path, *args, **kwargs):
-        headers[("safe_open", os.path.basename(path))] += 1
+    def counted_open(path, *args, **kwargs):  # given the opened file's /proc/self/fd path
+        headers[("safe_open", os.path.basename(os.path.realpath(path)))] += 1
         return real_open(path, *args, **kwargs)
 
     def counted_read(record):

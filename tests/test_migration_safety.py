@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import slim_mha.migration._staging as staging_module
 from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import default_sigint, old_output, refusal
+from _migration_helpers import OURS, default_sigint, old_output, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -95,7 +95,7 @@ def test_force_replaces_a_previous_output_sharded_differently(tmp_path, sharded)
     """The shards that the folder's own index lists are a previous output's: they may go."""
     out = tmp_path / "out"
     tensors = _tensors()
-    save_sharded(tensors, out, [list(tensors)])  # one shard, with a name this run does not write
+    save_sharded(tensors, out, [list(tensors)], metadata=OURS)  # one shard, with a name this run does not write
     (out / "model-00001-of-00001.safetensors").rename(out / "old-shard.safetensors")
     index = (out / "model.safetensors.index.json").read_text().replace("model-00001-of-00001", "old-shard")
     (out / "model.safetensors.index.json").write_text(index)
@@ -132,11 +132,12 @@ def test_symlinked_shards_protect_their_targets(tmp_path, sharded):
     links.mkdir()
     for name in os.listdir(sharded):
         os.symlink(sharded / name, links / name)
-    shard = links / "model-00001-of-00003.safetensors"
+    index = links / "model.safetensors.index.json"  # opened first, and judged before a byte is read
     _force_refused(links, sharded, (
-        f"{shard}: a symbolic link that leads outside SRC, to {sharded / shard.name}; its data would be copied "
+        f"{index}: a symbolic link that leads outside SRC, to {sharded / index.name}; its data would be copied "
         "into DST: copy the file into SRC, or pass follow_outside_links=True if you trust where it leads"
     ))
+    shard = links / "model-00001-of-00003.safetensors"
     message = (
         f"{sharded}: DST would overwrite the input {shard} (through its link, {sharded / shard.name}); "
         "write to another path"
@@ -309,9 +310,8 @@ def test_an_input_that_fails_while_writing_is_named(tmp_path, sharded, monkeypat
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(writer_module.os, "open", unreadable)
-    assert refusal(OSError, fold_checkpoint, sharded, tmp_path / "out") == (
-        f"{tmp_path / 'out'}: cannot write the output ({sharded / 'config.json'}: Permission denied); "
-        "nothing was written"
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
+        f"{sharded / 'config.json'}: cannot be read (Permission denied)"
     )
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
@@ -386,7 +386,7 @@ def test_killed_mid_write(tmp_path, sharded, kill, existing):
     out = tmp_path / "out"
     if existing:
         tensors = _tensors()
-        save_sharded(tensors, out, [list(tensors)[:9], list(tensors)[9:]])  # an older output, different bytes
+        save_sharded(tensors, out, [list(tensors)[:9], list(tensors)[9:]], metadata=OURS)  # an older output
     old = tree_digest(out) if existing else None
     ready = tmp_path / "ready"
     process = _start(sharded, out, "after-first-shard", ready, "--force")
