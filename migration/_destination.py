@@ -31,7 +31,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-from ._inputs import outside_source
+from ._inputs import opened_for_library, outside_source
 from ._text import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
@@ -347,7 +347,7 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         value = index["metadata"].get(COMPANIONS_KEY)
     elif SINGLE_NAME in entries:
         try:
-            with safe_open(destination / SINGLE_NAME, framework="pt") as handle:
+            with opened_for_library(destination / SINGLE_NAME) as readable, safe_open(readable, framework="pt") as handle:
                 value = (handle.metadata() or {}).get(COMPANIONS_KEY)
         except (SafetensorError, OSError):
             value = None
@@ -362,7 +362,7 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
 def is_our_output(path: Path) -> bool:
     """Whether ``path`` is a safetensors file that this tool wrote (it carries ``slim_mha.format_version``)."""
     try:
-        with safe_open(path, framework="pt") as handle:
+        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
             return OURS_KEY in (handle.metadata() or {})
     except (SafetensorError, OSError):
         return False
@@ -370,7 +370,7 @@ def is_our_output(path: Path) -> bool:
 
 def _check_ours(path: Path, destination: Path, name: str | None = None) -> None:
     try:
-        with safe_open(path, framework="pt") as handle:
+        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
             ours = OURS_KEY in (handle.metadata() or {})
     except (SafetensorError, OSError):
         if name is None:

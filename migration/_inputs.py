@@ -16,9 +16,11 @@ meanwhile fails the run, and nothing is moved into place.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +145,19 @@ def open_input(path: Path, root: Path | None, *, follow_outside_links: bool = Fa
     )
 
 
+@contextlib.contextmanager
+def opened_for_library(path: Path) -> Iterator[str]:
+    """A path naming the file at ``path`` that any library can open: ``/proc/self/fd/N`` of a
+    descriptor held for the block where the kernel offers it (safetensors takes only UTF-8 paths, and a
+    file name need not be UTF-8), else ``path`` itself."""
+    descriptor = os.open(path, _FLAGS)
+    try:
+        proc = f"{_PROC_FD}/{descriptor}"
+        yield proc if os.path.exists(proc) else os.fspath(path)
+    finally:
+        os.close(descriptor)
+
+
 def outside_source(real: Path, root: Path) -> Path | None:
     """``real`` (a resolved path) when it lies outside ``root``, SRC's resolved folder; None inside.
 
@@ -191,4 +206,4 @@ def _kind(mode: int) -> str:
     return next((text for test, text in _KINDS if test(mode)), "is a special file, not a regular file")
 
 
-__all__ = ["InputProblem", "OpenedFile", "hub_blobs", "open_input", "outside_source"]
+__all__ = ["InputProblem", "OpenedFile", "hub_blobs", "open_input", "opened_for_library", "outside_source"]

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ._checkpoint import ITEM_SIZES, TensorRecord
-from ._inputs import OpenedFile
+from ._inputs import OpenedFile, opened_for_library
 from ._text import shown
 
 _CHUNK = 64 * 1024 * 1024  # bytes per kernel copy call: small enough for a smooth bar and a prompt Ctrl-C
@@ -230,7 +230,7 @@ def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> N
     """Re-read the header just written; a mismatch is our bug (every key is checked when it is read),
     so it is an internal invariant, and the output is never moved into place."""
     try:
-        with safe_open(path, framework="pt") as handle:
+        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
             keys = set(handle.keys())
     except SafetensorError as exc:  # pragma: no cover - would be a bug in the writer
         raise RuntimeError(

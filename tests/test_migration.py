@@ -30,7 +30,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
-from _migration_helpers import reads_pickles
+from _migration_helpers import private_ledger, reads_pickles  # noqa: F401 (private_ledger: autouse)
 from _reference import assert_close_scaled
 
 # Every configuration stock accepts; ids name them.

@@ -14,6 +14,7 @@ from torch import nn
 
 import slim_mha
 from _reference import assert_close_scaled
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
 from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
 from slim_mha.migration.cli import main
 from _migration_checkpoints import STOCK_MHA, prefixed, randomize, save_sharded, stock_attention, tree_digest

@@ -16,7 +16,7 @@ import slim_mha.migration._migrate as migrate_module
 import slim_mha.migration._writer as writer_module
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from _migration_checkpoints import key_bias_free, prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import old_output, reads_pickles, refusal
+from _migration_helpers import old_output, private_ledger, reads_pickles, refusal  # noqa: F401 (private_ledger: autouse)
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 

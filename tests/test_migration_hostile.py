@@ -19,7 +19,7 @@ import slim_mha.migration._migrate as migrate_module
 from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from slim_mha.migration._destination import _resolved
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import reads_pickles, refusal, run_cli
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "slim-mha-migrate"
@@ -424,7 +424,7 @@ def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
     assert code == 1 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
 
 
-# ------------------------------------------------------------------------ torch < 2.6
+# ------------------------------------------------------------------------ torch < 2.10
 
 
 def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
-from _migration_helpers import reads_pickles, refusal, run_cli
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
 from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
 from _migration_checkpoints import key_bias_free, prefixed, save_sharded, stock_attention
