@@ -43,7 +43,7 @@ from ._destination import (
     permissions,
 )
 from ._inputs import open_input
-from ._staging import Staging, remove_litter, sync_files
+from ._staging import Staging, pause_for_tests, remove_litter, sync_files
 from ._text import option, shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
@@ -52,8 +52,6 @@ from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import MigrationReport, ModuleReport, format_size
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
-# Tests only: "POINT=FILE" makes a run create FILE at POINT and wait, so that a test can kill it there.
-_TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
 # A torch file may hold a view that repeats a small storage (``expand``): written out, it takes its full
 # size. More than this many times its stored bytes, plus the slack, asks for allow_expand.
 _EXPANSION, _EXPANSION_SLACK = 4, 16 * 1024 * 1024
@@ -524,7 +522,7 @@ def _write_output(
                 metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
                 sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
                 if number == 0:
-                    _pause_for_tests("after-first-shard")
+                    pause_for_tests("after-first-shard")
                 if verify:
                     check_written_file(path, tensors, shown_as=final)
             if checkpoint.kind == "sharded":
@@ -534,10 +532,10 @@ def _write_output(
                 sizes[checkpoint.index_name] = len(text.encode("utf-8"))
                 if verify:
                     check_written_text(index, text, shown_as=destination / checkpoint.index_name)
-            _pause_for_tests("before-commit")
+            pause_for_tests("before-commit")
             checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
             staging.commit(replace=force or _is_empty_directory(destination), check=check)
-            _pause_for_tests("after-commit")
+            pause_for_tests("after-commit")
         return sizes, tuple(staging.notes)
     except OSError as exc:
         if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
@@ -561,17 +559,6 @@ def _write_output(
 
 def _is_empty_directory(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not os.listdir(path)
-
-
-def _pause_for_tests(point: str) -> None:
-    """Let a test kill or interrupt the run at ``point`` (see ``_TEST_PAUSE``); a no-op otherwise."""
-    wanted, _, ready = os.environ.get(_TEST_PAUSE, "").partition("=")
-    if wanted != point:
-        return
-    Path(ready).touch()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _index_text(

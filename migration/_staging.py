@@ -50,6 +50,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -223,6 +224,20 @@ def _recorded(path: Path) -> str | None:
 
 
 _NAME_MAX = 255
+# Tests only: "POINT=FILE" makes a run create FILE at POINT and wait while it exists (a minute at most),
+# so that a test can kill or interrupt it there.
+_TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
+
+
+def pause_for_tests(point: str) -> None:
+    """Let a test kill or interrupt the run at ``point`` (see ``_TEST_PAUSE``); a no-op otherwise."""
+    wanted, _, ready = os.environ.get(_TEST_PAUSE, "").partition("=")
+    if wanted != point:
+        return
+    Path(ready).touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and os.path.exists(ready):
+        time.sleep(0.05)
 
 
 def _stem(destination: Path) -> str:
@@ -396,6 +411,7 @@ class Staging:
             os.chmod(self.path, self.mode)  # the staging name is ours alone, held by our lock
             _sync(self.path)
         with signals_deferred():
+            pause_for_tests("inside-commit")
             self._commit(replace=replace, check=check)
 
     def _commit(self, *, replace: bool, check: Callable[[], None]) -> None:
@@ -549,4 +565,4 @@ def _sync(path: Path) -> None:
         os.close(descriptor)
 
 
-__all__ = ["Journal", "Staging", "journal", "remove_litter", "signals_deferred", "sync_files"]
+__all__ = ["Journal", "Staging", "journal", "pause_for_tests", "remove_litter", "signals_deferred", "sync_files"]

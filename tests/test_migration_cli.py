@@ -462,7 +462,7 @@ def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, 
         if point == "after-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
     code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, out) == (130, "")
     assert err == f"{PROG} fold: interrupted after {tmp_path / 'out.safetensors'} was written completely\n"
@@ -476,7 +476,7 @@ def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock
         if point == "before-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert code == 130
     out_path = tmp_path / "out.safetensors"

@@ -175,7 +175,7 @@ def test_nothing_is_readable_by_others_while_it_is_written(tmp_path, umask, monk
             (staging,) = [tmp_path / name for name in _litter(tmp_path)]
             seen.update(_modes(staging))
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", look)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", look)
     fold_checkpoint(model, tmp_path / "out")
     assert seen and all(mode & 0o077 == 0 for mode in seen.values()), seen
 
