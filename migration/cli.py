@@ -33,7 +33,8 @@ SRC, which is read and never modified, is one of:
   - a .safetensors file;
   - a .pt, .pth, .bin or .ckpt file written by torch.save: a state dict, or a checkpoint holding one
     under 'state_dict' (PyTorch Lightning) or 'model'. It is loaded with torch.load(weights_only=True),
-    so a pickle that needs anything but tensors is refused unread;
+    so a pickle that needs anything but tensors is refused unread; this needs a torch release >= 2.10.0
+    (older weights-only unpicklers can be made to run code), else save the weights as safetensors;
   - a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json or any
     other *.index.json), whose shards, .safetensors or torch files as above, sit beside it;
   - a folder holding one of those two indexes, or one model.safetensors or pytorch_model.bin.
@@ -135,9 +136,10 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
     sub.add_argument(
         "--force",
         action="store_true",
-        help="replace DST if it exists: a file only if it is a safetensors file, a directory only if every "
-        "entry is a file this run writes and that is ours (shards and index that read as such, companion "
-        "files an earlier run wrote and nobody changed); anything else is named and nothing is touched",
+        help="replace DST if it exists and this tool wrote it: a file only if it is a safetensors file with "
+        "slim_mha metadata, a directory only if every entry is a file this run writes and that is ours "
+        "(shards and index with slim_mha metadata, companion files an earlier run wrote and nobody "
+        "changed); anything else, another model's checkpoint above all, is named and nothing is touched",
     )
     sub.add_argument(
         "--follow-outside-links",

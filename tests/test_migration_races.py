@@ -26,7 +26,7 @@ from slim_mha.migration._checkpoint import TensorRecord
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import OURS, default_sigint, private_ledger, reads_pickles, refusal, run_cli  # noqa: F401
 
-_RUNS = 8  # migrations per race test
+_RUNS = 12  # migrations per race test
 _FLIPS = 20  # at least this many flips during each of them
 
 
