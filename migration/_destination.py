@@ -347,8 +347,9 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         value = index["metadata"].get(COMPANIONS_KEY)
     elif SINGLE_NAME in entries:
         try:
-            with opened_for_library(destination / SINGLE_NAME) as readable, safe_open(readable, framework="pt") as handle:
-                value = (handle.metadata() or {}).get(COMPANIONS_KEY)
+            with opened_for_library(destination / SINGLE_NAME) as readable:
+                with safe_open(readable, framework="pt") as handle:
+                    value = (handle.metadata() or {}).get(COMPANIONS_KEY)
         except (SafetensorError, OSError):
             value = None
     try:
@@ -357,15 +358,6 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         return {}
     return {name: digest for name, digest in record.items() if isinstance(digest, str)} if isinstance(
         record, dict) else {}
-
-
-def is_our_output(path: Path) -> bool:
-    """Whether ``path`` is a safetensors file that this tool wrote (it carries ``slim_mha.format_version``)."""
-    try:
-        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
-            return OURS_KEY in (handle.metadata() or {})
-    except (SafetensorError, OSError):
-        return False
 
 
 def _check_ours(path: Path, destination: Path, name: str | None = None) -> None:
@@ -425,6 +417,6 @@ def _same_bytes(path: Path, other: Path) -> bool:
 
 __all__ = [
     "COMPANIONS_KEY", "OURS_KEY", "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable",
-    "companion_record", "file_digest", "find_companions", "input_files", "is_our_output", "output_permissions",
+    "companion_record", "file_digest", "find_companions", "input_files", "output_permissions",
     "permissions",
 ]
