@@ -31,7 +31,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-from ._inputs import opened_for_library, outside_source
+from ._inputs import identity, opened_for_library, outside_source
 from ._text import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
@@ -75,9 +75,9 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
     if writes_directory and not source.is_dir():
         source_root = source_root.parent  # an index file: its shards sit beside it
     target = Path(os.path.realpath(destination))
-    source_identity = _identity(source_root)
+    source_identity = identity(source_root)
     if target == source_root or (writes_directory and target in source_root.parents) or (
-        writes_directory and _identity(target) is not None and _identity(target) in _ancestry(source_root)
+        writes_directory and identity(target) is not None and identity(target) in _ancestry(source_root)
     ):
         raise ValueError(f"{shown(destination)}: DST would overwrite the input {shown(source)}; write to another path")
     if writes_directory and (source_root in target.parents or source_identity in _ancestry(target.parent)):
@@ -149,19 +149,11 @@ def check_replaceable(
             _check_ours(path, destination, name)
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
 def _ancestry(folder: Path) -> set[tuple[int, int]]:
     """The ``(st_dev, st_ino)`` of ``folder`` and of each folder above it: a folder reached through a bind
     mount, or spelled another way, has the same identity as the original."""
-    identities = {_identity(folder)}
-    identities.update(_identity(parent) for parent in folder.parents)
+    identities = {identity(folder)}
+    identities.update(identity(parent) for parent in folder.parents)
     identities.discard(None)
     return identities
 

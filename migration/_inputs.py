@@ -158,6 +158,15 @@ def opened_for_library(path: Path) -> Iterator[str]:
         os.close(descriptor)
 
 
+def identity(path: Path, *, follow_symlinks: bool = True) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of what ``path`` names, or None where nothing can be stat'ed."""
+    try:
+        info = os.stat(path, follow_symlinks=follow_symlinks)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def outside_source(real: Path, root: Path) -> Path | None:
     """``real`` (a resolved path) when it lies outside ``root``, SRC's resolved folder; None inside.
 
@@ -206,4 +215,6 @@ def _kind(mode: int) -> str:
     return next((text for test, text in _KINDS if test(mode)), "is a special file, not a regular file")
 
 
-__all__ = ["InputProblem", "OpenedFile", "hub_blobs", "open_input", "opened_for_library", "outside_source"]
+__all__ = [
+    "InputProblem", "OpenedFile", "hub_blobs", "identity", "open_input", "opened_for_library", "outside_source",
+]

@@ -56,6 +56,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._inputs import identity
 from ._text import shown
 
 try:
@@ -166,11 +167,7 @@ def _ledger_folder() -> Path:
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
+    return identity(path, follow_symlinks=False)  # the path itself: litter is never followed through a link
 
 
 def _record(path: Path, identity: tuple[int, int] | None = None) -> str | None:
