@@ -26,20 +26,24 @@ files...; not subfolders, not other weight files) are copied unchanged unless ``
 Why each conversion is exact is explained once, in :mod:`slim_mha.bias`, whose functions do the
 arithmetic.
 
-Nothing from outside SRC reaches DST: a companion file (or a shard) whose symbolic link leaves SRC's
-folder is left out with a note (a shard refuses the run), except a Hugging Face cache snapshot's links
-into the same repository's ``blobs/``. Output files and folders get their source's permission bits, as
-``cp -p`` does, whatever the umask. The output size is computed before writing and checked against the
-free space; a torch file that expands far beyond its stored bytes, or a compressed torch zip, is
-refused first. On torch < 2.6, whose ``weights_only`` loader can be bypassed, pickle-based inputs are
-refused.
+Every input is opened once, judged by the file that was opened (a regular file, inside SRC) and read
+through that descriptor only; a file that changes while the run reads it fails the run, naming it, and
+nothing is written. Nothing from outside SRC reaches DST: a companion file (or a shard) whose symbolic
+link leaves SRC's folder is left out with a note (a shard refuses the run), except a Hugging Face cache
+snapshot's links into its own repository's ``blobs/`` (``models--*/{blobs,snapshots}``). Output files
+and folders get their source's permission bits, as ``cp -p`` does, whatever the umask. The output size
+is computed before writing and checked against the free space; a torch file that expands far beyond its
+stored bytes, or a compressed torch zip, is refused first. Pickle-based inputs need a torch release
+>= 2.10.0, whose ``weights_only`` unpickler a crafted file cannot use to run code; older torch refuses
+them (safetensors inputs work on any torch).
 
 Errors: ``ValueError`` for a bad input or a conversion that would not be exact, ``FileNotFoundError``
 and ``FileExistsError`` for paths, ``OSError`` when DST's file system lacks the space, ``RuntimeError``
 when ``verify`` finds a mismatch. Every message names the file and the key. Nothing is ever written to
 SRC, no DST is inside SRC or around it, and DST appears complete or not at all:
 the output is staged beside DST, fsynced, and moved into place in one step; a KeyboardInterrupt
-removes the staging path, and litter from a killed run is removed by the next run (see the README).
+removes the staging path, and litter from a killed run is removed by the next run, when this tool's
+ledger recorded it (see :mod:`._staging`).
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def strip_checkpoint(
     follow_outside_links: bool = False,
     allow_expand: bool = False,
 ) -> MigrationReport:
-    """Drop the key slice of every ``in_proj_bias``; refuse where that is not exact.
+    """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): the smallest file, which only
+    slim_mha loads. Refuses where dropping the key bias is not exact.
 
     Dropping ``b_k`` is exact unless the module appends tokens after the projection: with ``bias_k``
     (``add_bias_kv``) or a module marked in ``zero_attn`` it refuses, pointing to :func:`fold`.
@@ -107,9 +112,10 @@ def strip_checkpoint(
             assumes no unmarked stock module was built with ``add_zero_attn`` (which a stock checkpoint
             cannot record), and the report names the modules it assumed that for.
         dry_run: do everything but write.
-        force: replace an existing destination: a file only if it is a regular safetensors file; a folder
-            only if every entry is a file this run would write and that is ours: a shard or index (named
-            by this run or by the folder's own index) that reads as one, or a companion file that the
+        force: replace an existing destination, only if this tool wrote it: a file only if it is a regular
+            safetensors file carrying slim_mha metadata; a folder only if every entry is a file this run
+            would write and that is ours: a shard or index (named by this run or by the folder's own index)
+            that carries slim_mha metadata, or a companion file that the
             previous output recorded and that is unchanged, or identical to the one copied now. Anything
             else is named in the refusal. Never a destination that is, or holds, a file the run reads
             (symlinks resolved), nor one inside SRC or around it. The replaced DST keeps its permission
@@ -150,10 +156,12 @@ def fold_checkpoint(
     follow_outside_links: bool = False,
     allow_expand: bool = False,
 ) -> MigrationReport:
-    """Convert every stock module to the slim layout, exactly, wherever its key bias sits.
+    """Write stock's layout with the key slot of every ``in_proj_bias`` zeroed: a file that stock
+    ``nn.MultiheadAttention`` and slim_mha both load, computing the original outputs exactly.
 
-    ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` keep ``b_k`` as
-    ``k_proj_bias``. The arguments are those of :func:`strip_checkpoint`.
+    With ``add_bias_kv``, ``bias_k`` becomes ``bias_k - b_k``; modules marked in ``zero_attn`` need
+    their key bias and are left as stock has them; a key-bias-free input is turned back into stock's
+    layout. The arguments are those of :func:`strip_checkpoint`.
     """
     from ._migrate import migrate
 

@@ -5,15 +5,17 @@ data is read on demand, straight from its byte range, so that only the attention
 needs are ever materialised; every other tensor is copied byte for byte when the output is written.
 The cost of a run is therefore linear in the number of tensors: no read re-parses a header.
 
-Every path is checked to be a regular file before it is opened, so a named pipe or a device given as
-a checkpoint is refused at once instead of blocking the run.
+Every file is opened once, judged by the descriptor that was opened, and read through it only (see
+:mod:`._inputs`): a named pipe or a device is refused unopened, a link leaving SRC is refused before a
+byte is parsed, and a file that changes meanwhile is caught by :meth:`Checkpoint.check_unchanged`.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
-import stat
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from packaging.version import Version
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from ._inputs import InputProblem, OpenedFile, open_input
 from ._text import shown
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,9 +38,10 @@ _WRAPPERS = ("state_dict", "model")
 # How a torch.save file starts: a zip archive (the default since torch 1.6; an empty one has only its end
 # record), or the legacy format, a pickle of protocol 2 or later. Anything else is not a torch checkpoint.
 _TORCH_MAGIC = (b"PK\x03\x04", b"PK\x05\x06", b"\x80")
-# torch.load(weights_only=True) has a published bypass before this release: an older torch must not
-# unpickle a file from a stranger at all.
-SAFE_PICKLE_TORCH = (2, 6)
+# torch.load(weights_only=True) is unsafe on a crafted file before this release: 2.6 closed a bypass,
+# and 2.10.0 a heap corruption in the weights-only unpickler that can run code (GHSA-63cw-57p8-fm3p).
+# A pre-release or dev build of it may predate the fix, so only a release counts.
+SAFE_PICKLE_TORCH = (2, 10, 0)
 
 # safetensors dtype names, and the bytes per element (tensors are laid out largest first so that
 # each one starts aligned to its own element size, as safetensors itself writes them).
@@ -59,6 +63,11 @@ DTYPE_NAMES = {
     torch.uint32: "U32",
     torch.uint64: "U64",
 }
+# Stored by safetensors under these names where both libraries know them (older versions lack them):
+# a .pt tensor of such a dtype converts exactly as the same tensor in a .safetensors file does.
+for _name, _dtype_name in (("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+    if hasattr(torch, _dtype_name):
+        DTYPE_NAMES[getattr(torch, _dtype_name)] = _name
 STORED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in DTYPE_NAMES.items()}
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -78,19 +87,18 @@ class TensorRecord:
     stored: int | None = None  # bytes of the storage it views (torch pickles): less than nbytes when expanded
 
     def read(self) -> Tensor:
-        """The tensor: read from its byte range for safetensors sources (the header is not parsed again)."""
+        """The tensor: read from its byte range of the opened shard for safetensors sources (the header
+        is not parsed again)."""
         if self.tensor is not None:
             return self.tensor.contiguous()
         data = bytearray(self.nbytes)
         try:
-            with open(self.shard.path, "rb", buffering=0) as file:
-                file.seek(self.offset)
-                view, filled = memoryview(data), 0
-                while filled < self.nbytes:
-                    count = file.readinto(view[filled:])
-                    if not count:
-                        raise OSError(f"the file ends {self.nbytes - filled} bytes early; it changed while being read")
-                    filled += count
+            view, filled = memoryview(data), 0
+            while filled < self.nbytes:
+                count = os.preadv(self.shard.file.descriptor, [view[filled:]], self.offset + filled)
+                if not count:
+                    raise OSError(f"the file ends {self.nbytes - filled} bytes early; it changed while being read")
+                filled += count
         except OSError as exc:
             raise ValueError(
                 f"{shown(self.shard.path)}: cannot read '{shown(self.key)}' ({shown(_one_line(exc))})"
@@ -110,6 +118,7 @@ class Shard:
     path: Path
     metadata: dict[str, str]
     records: dict[str, TensorRecord] = field(default_factory=dict)
+    file: OpenedFile | None = None  # open for the run's length: every read of its bytes goes through it
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +139,23 @@ class Checkpoint:
     index_metadata: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     index_path: Path | None = None
+    files: list[OpenedFile] = field(default_factory=list)  # every input opened: shards and index
+    index_file: OpenedFile | None = None
+
+    def check_unchanged(self) -> None:
+        """Fail, naming the file, if any input was replaced or written to since it was opened."""
+        for opened in self.files:
+            opened.check_unchanged()
+
+    def close(self) -> None:
+        for opened in self.files:
+            opened.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def records(self) -> dict[str, TensorRecord]:
@@ -166,9 +192,20 @@ def source_kind(source: Path) -> str:
     )
 
 
-def open_checkpoint(source: Path) -> Checkpoint:
-    """Read every header of SRC and check that the files agree with each other; no tensor data is read."""
-    checkpoint = _open_layout(source)
+def open_checkpoint(source: Path, *, follow_outside_links: bool = False) -> Checkpoint:
+    """Open every file of SRC once, read every header and check that the files agree with each other;
+    no tensor data is read. The files stay open until :meth:`Checkpoint.close`.
+
+    A shard or index that a symbolic link takes outside SRC's folder is refused before a byte of it is
+    parsed, unless ``follow_outside_links``; a file SRC is the file the user named, read wherever it is.
+    """
+    opener = _Opener(follow_outside_links)
+    try:
+        checkpoint = _open_layout(source, opener)
+    except BaseException:
+        opener.close()
+        raise
+    checkpoint.files = opener.files
     if checkpoint.recorded("slim_mha.value_bias_folded"):  # written by an earlier --fold-value-bias run
         checkpoint.notes += (
             "an earlier run folded the value bias into out_proj.bias (slim_mha.value_bias_folded): these "
@@ -177,17 +214,46 @@ def open_checkpoint(source: Path) -> Checkpoint:
     return checkpoint
 
 
-def _open_layout(source: Path) -> Checkpoint:
+class _Opener:
+    """Opens the run's inputs (:func:`._inputs.open_input`) and keeps them, so that all are closed together."""
+
+    def __init__(self, follow_outside_links: bool) -> None:
+        self.follow_outside_links = follow_outside_links
+        self.files: list[OpenedFile] = []
+
+    def open(self, path: Path, root: Path | None, fix: str, *, listed: str = "") -> OpenedFile:
+        """``path`` opened and judged; a problem is raised naming it (after ``listed``, for a shard an index
+        lists), with ``fix``."""
+        try:
+            opened = open_input(path, root, follow_outside_links=self.follow_outside_links)
+        except InputProblem as problem:
+            if problem.complete:
+                raise
+            if problem.missing:
+                where = f"{listed} but {shown(path)} does not exist" if listed else f"{shown(path)}: no such file"
+                raise FileNotFoundError(where + (f"; {fix}" if listed else "")) from None
+            where = f"{listed} but {shown(path)}" if listed else f"{shown(path)}:"
+            raise ValueError(f"{where} {problem.problem}; {fix}") from None
+        self.files.append(opened)
+        return opened
+
+    def close(self) -> None:
+        for opened in self.files:
+            opened.close()
+
+
+def _open_layout(source: Path, opener: _Opener) -> Checkpoint:
     if not _present(source):
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
     if kind in ("file", "torch"):
-        _require_file(source, "pass the checkpoint file itself")
-    if kind == "file":
-        return Checkpoint(source, kind, [_open_safetensors(source, source.name)])
-    if kind == "torch":
-        shard, notes = _open_torch(source, source.name)
+        opened = opener.open(source, None, "pass the checkpoint file itself")
+        if kind == "file":
+            return Checkpoint(source, kind, [_open_safetensors(opened, source.name)])
+        shard, notes = _open_torch(opened, source.name)
         return Checkpoint(source, kind, [shard], notes=notes)
+    folder = source if source.is_dir() else source.parent
+    root = Path(os.path.realpath(folder))  # every file read must lie in it (see _inputs)
     if kind == "directory":
         single = next((source / name for name in (SINGLE_NAME, TORCH_SINGLE_NAME) if _present(source / name)), None)
         if single is None:
@@ -195,17 +261,18 @@ def _open_layout(source: Path) -> Checkpoint:
                 f"{shown(source)}: directory has none of {INDEX_NAME}, {SINGLE_NAME}, {TORCH_INDEX_NAME} or "
                 f"{TORCH_SINGLE_NAME}; pass the checkpoint file or its index instead"
             )
-        _require_file(single, "replace it with the checkpoint file")
+        opened = opener.open(single, root, "replace it with the checkpoint file")
         if single.name == SINGLE_NAME:
-            return Checkpoint(source, kind, [_open_safetensors(single, SINGLE_NAME)])
-        shard, notes = _open_torch(single, SINGLE_NAME)
+            return Checkpoint(source, kind, [_open_safetensors(opened, SINGLE_NAME)])
+        shard, notes = _open_torch(opened, SINGLE_NAME)
         return Checkpoint(source, kind, [shard], notes=notes)
     if source.is_dir():
         index_path = next(source / name for name in (INDEX_NAME, TORCH_INDEX_NAME) if _present(source / name))
+        index = opener.open(index_path, root, "pass the index file itself")
     else:
         index_path = source
-    _require_file(index_path, "pass the index file itself")
-    return _open_sharded(source, index_path)
+        index = opener.open(index_path, None, "pass the index file itself")
+    return _open_sharded(source, index, root, opener)
 
 
 def output_name(name: str) -> str:
@@ -230,55 +297,24 @@ def _present(path: Path) -> bool:
     return path.exists() or path.is_symlink()
 
 
-def file_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a checkpoint file (symlinks followed), or None for a regular file.
-
-    Only ``stat`` is called: opening a named pipe would block until a writer appears.
-    """
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "is a dangling symbolic link" if path.is_symlink() else "does not exist"
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or _one_line(exc)})"
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "is a directory, not a file"
-    kinds = (
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    kind = next((text for test, text in kinds if test(mode)), "a special file")
-    return f"is {kind}, not a regular file"
-
-
-def _require_file(path: Path, fix: str) -> None:
-    problem = file_problem(path)
-    if problem == "does not exist":
-        raise FileNotFoundError(f"{shown(path)}: no such file")
-    if problem:
-        raise ValueError(f"{shown(path)}: {problem}; {fix}")
-
-
 # ------------------------------------------------------------------------------------ safetensors
 
 
-def _open_safetensors(path: Path, name: str) -> Shard:
-    # safe_open validates the whole layout (header, offsets, file length) before we trust offsets;
-    # then the header is parsed once more, here, for the offsets that safe_open does not expose.
+def _open_safetensors(opened: OpenedFile, name: str) -> Shard:
+    # safe_open validates the whole layout (header, offsets, file length) before we trust offsets; it
+    # reads the opened file itself (its /proc/self/fd path). The header is then parsed once more, here,
+    # for the offsets that safe_open does not expose.
+    path = opened.path
     try:
-        with safe_open(path, framework="pt") as handle:
+        with safe_open(opened.readable_path(), framework="pt") as handle:
             metadata = dict(handle.metadata() or {})
     except SafetensorError as exc:
         raise ValueError(
             f"{shown(path)}: not a valid safetensors file ({shown(_one_line(exc))}); it is truncated, corrupt "
             "or another format: re-download or re-save it"
         ) from None
-    header, data_start = _read_header(path)
-    shard = Shard(name, path, metadata)
+    header, data_start = _read_header(opened)
+    shard = Shard(name, path, metadata, file=opened)
     for key, entry in header.items():
         if key == "__metadata__":
             continue
@@ -289,17 +325,28 @@ def _open_safetensors(path: Path, name: str) -> Shard:
     return shard
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def _read_header(opened: OpenedFile) -> tuple[dict, int]:
     """The JSON header and the offset where tensor data starts (the file was validated by safe_open)."""
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(length))
+    length = int.from_bytes(opened.read_at(8, 0), "little")
+    header = json.loads(_read_all(opened, length, 8))
     return header, 8 + length
 
 
-def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
+def _read_all(opened: OpenedFile, length: int, offset: int = 0) -> bytes:
+    chunks, done = [], 0
+    while done < length:
+        chunk = opened.read_at(length - done, offset + done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _Opener) -> Checkpoint:
+    index_path = opened_index.path
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
+        index = json.loads(_read_all(opened_index, opened_index.size).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{shown(index_path)}: not a valid index ({exc.msg} at line {exc.lineno}); "
@@ -321,6 +368,11 @@ def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
         )
     first_key: dict[str, str] = {}
     for key, name in weight_map.items():
+        if "\0" in name:
+            raise ValueError(
+                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') holds a NUL byte, which no "
+                "file name can; fix the index"
+            )
         if Path(name).name != name or name in ("", ".", ".."):
             raise ValueError(
                 f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') is not a plain file name; "
@@ -331,11 +383,6 @@ def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
     for name in sorted(first_key):
         path = index_path.parent / name
         listed = f"{shown(index_path)}: shard '{shown(name)}' is listed in the weight_map (for '{shown(first_key[name])}')"
-        problem = file_problem(path)
-        if problem == "does not exist":
-            raise FileNotFoundError(f"{listed} but {shown(path)} does not exist; restore the shard or fix the index")
-        if problem:
-            raise ValueError(f"{listed} but {shown(path)} {problem}; put the shard file there or fix the index")
         out = output_name(name)
         if out in written_as:
             raise ValueError(
@@ -343,23 +390,25 @@ def _open_sharded(source: Path, index_path: Path) -> Checkpoint:
                 f"as '{shown(out)}'; rename one of them"
             )
         written_as[out] = name
-        if name.endswith(".safetensors"):
-            shards.append(_open_safetensors(path, out))
-        elif name.endswith(TORCH_SUFFIXES):
-            shard, shard_notes = _open_torch(path, out)
-            notes += [f"{name}: {note}" for note in shard_notes]
-            shards.append(shard)
-        else:
+        if not name.endswith((".safetensors", *TORCH_SUFFIXES)):
             raise ValueError(
                 f"{listed} but it is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}; shards must be "
                 "safetensors files or torch state dicts"
             )
+        fix = "restore the shard or fix the index" if not _present(path) else "put the shard file there or fix the index"
+        opened = opener.open(path, root, fix, listed=listed)
+        if name.endswith(".safetensors"):
+            shards.append(_open_safetensors(opened, out))
+        else:
+            shard, shard_notes = _open_torch(opened, out)
+            notes += [f"{name}: {note}" for note in shard_notes]
+            shards.append(shard)
     _check_index_matches(index_path, weight_map, shards)
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     metadata = {key: value for key, value in metadata.items() if key != "total_size"}
     return Checkpoint(
         source, "sharded", shards, index_name=output_name(index_path.name), index_metadata=metadata,
-        notes=tuple(notes), index_path=index_path,
+        notes=tuple(notes), index_path=index_path, index_file=opened_index,
     )
 
 
@@ -389,10 +438,11 @@ def _check_index_matches(index_path: Path, weight_map: dict[str, str], shards: l
 # ---------------------------------------------------------------------------------- torch pickles
 
 
-def _open_torch(path: Path, name: str) -> tuple[Shard, tuple[str, ...]]:
-    loaded = _torch_load(path)
+def _open_torch(opened: OpenedFile, name: str) -> tuple[Shard, tuple[str, ...]]:
+    path = opened.path
+    loaded = _torch_load(opened)
     state_dict, notes = _unwrap_state_dict(path, loaded)
-    shard = Shard(name, path, {"format": "pt"})
+    shard = Shard(name, path, {"format": "pt"}, file=opened)
     for key, value in state_dict.items():
         if not isinstance(key, str):
             raise ValueError(
@@ -440,38 +490,44 @@ def _check_key(path: Path, key: str) -> None:
         ) from None
 
 
-def torch_reads_pickles_safely() -> bool:
-    """Whether this torch's ``weights_only`` unpickler is one that a crafted file cannot bypass."""
-    return Version(torch.__version__).release[:2] >= SAFE_PICKLE_TORCH
+def torch_reads_pickles_safely(version: str | None = None) -> bool:
+    """Whether this torch's ``weights_only`` unpickler is one that a crafted file cannot break out of:
+    a release (not a pre-release or dev build) at or after :data:`SAFE_PICKLE_TORCH`."""
+    parsed = Version(version or torch.__version__)
+    return parsed.release[:3] >= SAFE_PICKLE_TORCH and not (parsed.is_prerelease or parsed.is_devrelease)
 
 
-def _torch_load(path: Path) -> object:
-    """``torch.load(weights_only=True)``: a pickle that needs anything but tensors is refused unread.
+def _torch_load(opened: OpenedFile) -> object:
+    """``torch.load(weights_only=True)`` of the opened file: a pickle that needs anything but tensors is
+    refused unread.
 
     Bytes that do not start like a torch.save file are refused before unpickling, so that a corrupt or
     foreign file is called what it is, not a pickle that needs more than tensors. A zip archive whose
     entries are compressed is refused before torch opens it: torch.save never compresses, and a
     compressed entry can expand far beyond the file's size.
     """
+    path = opened.path
     if not torch_reads_pickles_safely():
         raise ValueError(
-            f"{shown(path)}: needs torch ≥ 2.6 to read .pt safely; convert with safetensors or upgrade"
+            f"{shown(path)}: refused: reading a pickle (.pt, .bin...) needs a torch release >= "
+            f"{'.'.join(map(str, SAFE_PICKLE_TORCH))}, whose weights-only unpickler a crafted file cannot use to "
+            f"run code, and this is torch {torch.__version__}; upgrade torch, or save the weights as safetensors"
         )
     corrupt = f"{shown(path)}: not a readable PyTorch checkpoint ({{}}); it is truncated, corrupt or another format"
-    with open(path, "rb") as file:
-        start = file.read(4)
+    start = opened.read_at(4, 0)
     if not start.startswith(_TORCH_MAGIC):
         what = "it is empty" if not start else "it starts with neither a zip header nor a pickle header"
         raise ValueError(corrupt.format(what))
     if start.startswith(b"PK"):
-        _check_stored_zip(path, corrupt)
+        _check_stored_zip(opened, corrupt)
+    readable = opened.readable_path()
     try:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(readable, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as exc:
             if "mmap" not in str(exc):
                 raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+            return torch.load(readable, map_location="cpu", weights_only=True)  # legacy (non-zip) format
     except pickle.UnpicklingError as exc:
         reason = _one_line(exc)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -489,10 +545,11 @@ def _torch_load(path: Path) -> object:
         raise ValueError(corrupt.format(f"{type(exc).__name__}: {shown(_one_line(exc))}")) from None
 
 
-def _check_stored_zip(path: Path, corrupt: str) -> None:
+def _check_stored_zip(opened: OpenedFile, corrupt: str) -> None:
     """Read the zip's central directory only (no entry is inflated) and refuse compressed entries."""
+    path = opened.path
     try:
-        with zipfile.ZipFile(path) as archive:
+        with io.FileIO(os.dup(opened.descriptor), "rb") as file, zipfile.ZipFile(file) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise ValueError(corrupt.format(f"a damaged zip archive: {shown(_one_line(exc))}")) from None

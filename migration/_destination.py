@@ -1,17 +1,18 @@
 """Where the output may go: the rules that keep a run from deleting or overwriting what is not ours.
 
 * DST never is, holds or replaces a file that the run reads, and is neither inside SRC nor around
-  it. Every path is resolved through its symlinks (``realpath``) and compared by path and by inode.
-* Nothing from outside SRC reaches DST: a shard or a companion file whose resolved path leaves SRC's
-  folder is refused (a shard) or left out with a note (a companion), unless ``follow_outside_links``.
-  The one exception is a Hugging Face cache snapshot, ``snapshots/<rev>/*``, whose files link to the
-  same repository's ``blobs/``.
-* An existing DST is replaced only with ``force``: a file only if it is a regular file that reads as a
-  safetensors file; a folder only if every entry is a regular file that this run would write and that
-  is ours: a shard or the index (named by this run or by the folder's own index) that reads as one,
-  or a companion file that the previous output recorded (``slim_mha.companions``, a SHA-256 per
-  name) and that is unchanged since, or that is byte for byte the file this run copies. Anything else
-  refuses the run, named, and nothing is touched.
+  it. Files are compared by inode, and folders by the ``(st_dev, st_ino)`` of every ancestor, so that a
+  bind mount or another spelling of the same folder is caught.
+* Nothing from outside SRC reaches DST: a shard or a companion file whose link leaves SRC's folder
+  is refused (a shard) or left out with a note (a companion), unless ``follow_outside_links``; the
+  files are judged when opened (:mod:`._inputs`, which also owns the hub cache exception).
+* An existing DST is replaced only with ``force``, and only if it is an output of this tool: a file
+  only if it is a regular safetensors file carrying this tool's metadata (``slim_mha.format_version``);
+  a folder only if every entry is a regular file that this run would write and that is ours: a shard
+  or the index (named by this run or by the folder's own index) that carries that metadata, or a
+  companion file that the previous output recorded (``slim_mha.companions``, a SHA-256 per name) and
+  that is unchanged since, or that is byte for byte the file this run copies. Anything else (another
+  model's checkpoint above all) refuses the run, naming a file, and nothing is touched.
 * Permissions are those of ``cp -p``: each output file gets its source file's permission bits, and a
   new output folder its source folder's; a replaced DST keeps its own bits, less any the source lacks.
 * Companion files: the non-weight files beside a checkpoint folder's shards (``config.json``,
@@ -30,9 +31,11 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from ._inputs import identity, opened_for_library, outside_source
 from ._text import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
+OURS_KEY = "slim_mha.format_version"  # metadata every output of this tool carries
 _PERMISSIONS = 0o777  # cp -p keeps these; set-id and sticky bits never come along
 
 # Files that hold weights (or pickles) in the formats a model folder ships: never copied as companions,
@@ -72,9 +75,12 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
     if writes_directory and not source.is_dir():
         source_root = source_root.parent  # an index file: its shards sit beside it
     target = Path(os.path.realpath(destination))
-    if target == source_root or (writes_directory and target in source_root.parents):
+    source_identity = identity(source_root)
+    if target == source_root or (writes_directory and target in source_root.parents) or (
+        writes_directory and identity(target) is not None and identity(target) in _ancestry(source_root)
+    ):
         raise ValueError(f"{shown(destination)}: DST would overwrite the input {shown(source)}; write to another path")
-    if writes_directory and source_root in target.parents:
+    if writes_directory and (source_root in target.parents or source_identity in _ancestry(target.parent)):
         raise ValueError(
             f"{shown(destination)}: DST is inside SRC {shown(source)}, which is never modified; write outside it"
         )
@@ -117,7 +123,7 @@ def check_replaceable(
         return
     if not directory:
         _check_replaceable_file(destination)
-        _check_reads_as_safetensors(destination, destination)
+        _check_ours(destination, destination)
         return
     entries = sorted(os.listdir(destination))
     for name in entries:  # kinds first: the folder's index is read only once it is known to be a file
@@ -131,51 +137,25 @@ def check_replaceable(
             _refuse_entry(destination, name, "which this output does not write")
         path = destination / name
         if name.endswith(".index.json"):
-            if _read_index(path) is None:
+            index_file = _read_index(path)
+            if index_file is None:
                 _refuse_entry(destination, name, "which does not read as a checkpoint index")
+            if OURS_KEY not in (index_file.get("metadata") or {}):
+                _refuse_foreign(destination, name)
         elif name in copied:
             if not (recorded.get(name) == _digest(path) or _same_bytes(path, copied[name])):
                 _refuse_entry(destination, name, "which no earlier run wrote, or which was changed since")
         else:
-            _check_reads_as_safetensors(path, destination, name)
+            _check_ours(path, destination, name)
 
 
-def source_root(checkpoint: Checkpoint) -> Path:
-    """SRC's folder, resolved: every file the run reads or copies must resolve inside it."""
-    folder = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
-    return Path(os.path.realpath(folder))
-
-
-def leaves_source(path: Path, root: Path) -> Path | None:
-    """Where ``path`` really is, when that is outside ``root`` (SRC's resolved folder); else None.
-
-    A Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``) holds links to ``<repo>/blobs/``:
-    those stay inside, as they are the snapshot's own files."""
-    real = _resolved(path, {})
-    if root in real.parents:
-        return None
-    if root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs":
-        return None
-    return real
-
-
-def check_shards_inside(checkpoint: Checkpoint, *, follow_outside_links: bool) -> None:
-    """Refuse a shard (or index) that a symbolic link takes outside SRC's folder: its bytes would
-    end up in DST. A file SRC is the file the user named, and is not checked."""
-    if follow_outside_links or not checkpoint.writes_directory:
-        return
-    root = source_root(checkpoint)
-    paths = [shard.path for shard in checkpoint.shards]
-    if checkpoint.index_path is not None and checkpoint.source.is_dir():
-        paths.append(checkpoint.index_path)
-    for path in paths:
-        real = leaves_source(path, root)
-        if real is not None:
-            raise ValueError(
-                f"{shown(path)}: a symbolic link that leads outside SRC, to {shown(real)}; its data would be "
-                f"copied into DST: copy the file into SRC, or pass {option('follow_outside_links')} if you "
-                "trust where it leads"
-            )
+def _ancestry(folder: Path) -> set[tuple[int, int]]:
+    """The ``(st_dev, st_ino)`` of ``folder`` and of each folder above it: a folder reached through a bind
+    mount, or spelled another way, has the same identity as the original."""
+    identities = {identity(folder)}
+    identities.update(identity(parent) for parent in folder.parents)
+    identities.discard(None)
+    return identities
 
 
 def permissions(path: Path) -> int:
@@ -183,9 +163,9 @@ def permissions(path: Path) -> int:
     return os.stat(path).st_mode & _PERMISSIONS
 
 
-def output_permissions(source: Path, destination: Path, *, force: bool) -> int:
-    """The bits DST gets: the source's; for a DST that is replaced, its own, less any the source lacks."""
-    wanted = permissions(source)
+def output_permissions(wanted: int, destination: Path, *, force: bool) -> int:
+    """The bits DST gets: the source's (``wanted``); for a DST that is replaced, its own, less any the
+    source lacks."""
     if force and os.path.lexists(destination) and not os.path.islink(destination):
         wanted &= os.lstat(destination).st_mode & _PERMISSIONS
     return wanted
@@ -202,11 +182,12 @@ def find_companions(
     """The files to copy beside the output's shards, and a note for each file of the folder left out.
 
     A file whose resolved path leaves SRC's folder is left out (a README.md linked to a private key
-    would otherwise be copied into an output that is shared), unless ``follow_outside_links``."""
+    would otherwise be copied into an output that is shared), unless ``follow_outside_links``. This is
+    the listing only: each file is judged again when it is opened for the copy (:mod:`._inputs`)."""
     if not checkpoint.writes_directory:
         return [], []
     folder = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
-    root = source_root(checkpoint)
+    root = Path(os.path.realpath(folder))
     read = {path.name for path in input_files(checkpoint, []) if path.parent == folder}
     companions, skipped = [], []
     for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
@@ -226,7 +207,9 @@ def find_companions(
             skipped.append(f"did not copy {shown(name)}: not a regular file")
         elif name.endswith(WEIGHT_SUFFIXES):
             skipped.append(f"did not copy {shown(name)}: a weight file this run does not convert")
-        elif entry.is_symlink() and not follow_outside_links and (outside := leaves_source(path, root)) is not None:
+        elif entry.is_symlink() and not follow_outside_links and (
+            outside := outside_source(Path(os.path.realpath(path)), root)
+        ) is not None:
             skipped.append(
                 f"did not copy {shown(name)}: a symbolic link that leads outside SRC, to {shown(outside)} "
                 f"({option('follow_outside_links')} copies it)"
@@ -356,8 +339,9 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         value = index["metadata"].get(COMPANIONS_KEY)
     elif SINGLE_NAME in entries:
         try:
-            with safe_open(destination / SINGLE_NAME, framework="pt") as handle:
-                value = (handle.metadata() or {}).get(COMPANIONS_KEY)
+            with opened_for_library(destination / SINGLE_NAME) as readable:
+                with safe_open(readable, framework="pt") as handle:
+                    value = (handle.metadata() or {}).get(COMPANIONS_KEY)
         except (SafetensorError, OSError):
             value = None
     try:
@@ -368,10 +352,10 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         record, dict) else {}
 
 
-def _check_reads_as_safetensors(path: Path, destination: Path, name: str | None = None) -> None:
+def _check_ours(path: Path, destination: Path, name: str | None = None) -> None:
     try:
-        with safe_open(path, framework="pt"):
-            pass
+        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
+            ours = OURS_KEY in (handle.metadata() or {})
     except (SafetensorError, OSError):
         if name is None:
             raise ValueError(
@@ -379,6 +363,17 @@ def _check_reads_as_safetensors(path: Path, destination: Path, name: str | None 
                 "and this one does not: move it away or choose another DST"
             ) from None
         _refuse_entry(destination, name, "which does not read as a safetensors file")
+    if not ours:
+        _refuse_foreign(destination, name)
+
+
+def _refuse_foreign(destination: Path, name: str | None) -> None:
+    """A checkpoint this tool did not write: never replaced, however much it looks like an output."""
+    where = destination / name if name else destination
+    raise ValueError(
+        f"{shown(where)}: {option('force')} replaces only what slim-mha-migrate wrote, and this checkpoint file "
+        "carries no slim_mha metadata (someone else's checkpoint?); move it away or choose another DST"
+    )
 
 
 def file_digest(path: Path) -> str:
@@ -413,7 +408,7 @@ def _same_bytes(path: Path, other: Path) -> bool:
 
 
 __all__ = [
-    "COMPANIONS_KEY", "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable", "check_shards_inside",
-    "companion_record", "file_digest", "find_companions", "input_files", "leaves_source", "output_permissions",
-    "permissions", "source_root",
+    "COMPANIONS_KEY", "OURS_KEY", "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable",
+    "companion_record", "file_digest", "find_companions", "input_files", "output_permissions",
+    "permissions",
 ]

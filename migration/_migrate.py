@@ -35,7 +35,6 @@ from ._destination import (
     Companion,
     check_destination,
     check_replaceable,
-    check_shards_inside,
     companion_record,
     file_digest,
     find_companions,
@@ -43,7 +42,8 @@ from ._destination import (
     output_permissions,
     permissions,
 )
-from ._staging import Staging, remove_litter, sync_files
+from ._inputs import open_input
+from ._staging import Staging, pause_for_tests, remove_litter, sync_files
 from ._text import option, shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
@@ -52,8 +52,6 @@ from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import MigrationReport, ModuleReport, format_size
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
-# Tests only: "POINT=FILE" makes a run create FILE at POINT and wait, so that a test can kill it there.
-_TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
 # A torch file may hold a view that repeats a small storage (``expand``): written out, it takes its full
 # size. More than this many times its stored bytes, plus the slack, asks for allow_expand.
 _EXPANSION, _EXPANSION_SLACK = 4, 16 * 1024 * 1024
@@ -62,14 +60,15 @@ _EXPANSION, _EXPANSION_SLACK = 4, 16 * 1024 * 1024
 def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
     source = Path(source)
     zero_attn = _check_patterns(zero_attn)
-    checkpoint = open_checkpoint(source)
-    groups = find_attention_modules(checkpoint)
-    marked = _zero_attn_modules(zero_attn, groups, checkpoint)
-    recorded = _records_zero_attn(checkpoint)
-    modules = tuple(
-        _module_report(group, group.name in marked, recorded=recorded, read=_reader(group)) for group in groups
-    )
-    return _report(checkpoint, "inspect", None, modules)
+    with open_checkpoint(source) as checkpoint:
+        groups = find_attention_modules(checkpoint)
+        marked = _zero_attn_modules(zero_attn, groups, checkpoint)
+        recorded = _records_zero_attn(checkpoint)
+        modules = tuple(
+            _module_report(group, group.name in marked, recorded=recorded, read=_reader(group)) for group in groups
+        )
+        checkpoint.check_unchanged()  # the figures shown are those of one version of each file
+        return _report(checkpoint, "inspect", None, modules)
 
 
 def migrate(
@@ -104,8 +103,20 @@ def migrate(
     notes = () if dry_run else remove_litter(destination)
     check_destination(source, kind, destination, force=force)
 
-    checkpoint = open_checkpoint(source)
-    check_shards_inside(checkpoint, follow_outside_links=follow_outside_links)
+    with open_checkpoint(source, follow_outside_links=follow_outside_links) as checkpoint:
+        return _migrate_opened(
+            checkpoint, mode, destination, notes, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
+            verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
+            follow_outside_links=follow_outside_links, allow_expand=allow_expand,
+        )
+
+
+def _migrate_opened(
+    checkpoint: Checkpoint, mode: str, destination: Path, notes: tuple[str, ...], *, zero_attn: tuple[str, ...],
+    fold_value_bias: bool, verify: bool, dry_run: bool, force: bool, companions: bool, progress: bool | None,
+    follow_outside_links: bool, allow_expand: bool,
+) -> MigrationReport:
+    source = checkpoint.source
     if not allow_expand:
         _check_expansion(checkpoint)
     groups = find_attention_modules(checkpoint)
@@ -174,10 +185,12 @@ def migrate(
     if not dry_run:
         written, write_notes = _write_output(
             checkpoint, destination, outputs, metadata, copied, force=force, check=check, progress=progress,
-            verify=verify,
+            verify=verify, follow_outside_links=follow_outside_links,
         )
         notes += write_notes
         output_bytes = sum(written.values())  # what is on disk, which the plan predicted
+    else:
+        checkpoint.check_unchanged()  # what the dry run planned and verified is what SRC holds
     assumed = tuple(
         module.name for module in modules if module.changed and module.zero_attn is None
     ) if verify else ()
@@ -201,7 +214,7 @@ def _check_expansion(checkpoint: Checkpoint) -> None:
                     f"pass {option('allow_expand')} if that is intended"
                 )
         if any(record.stored is not None for record in shard.records.values()):
-            size = os.stat(shard.path).st_size
+            size = shard.file.size
             if shard.nbytes > _EXPANSION * size + _EXPANSION_SLACK:
                 raise ValueError(
                     f"{shown(shard.path)}: its tensors would take {format_size(shard.nbytes)} once written but the "
@@ -316,23 +329,24 @@ def _records_zero_attn(checkpoint: Checkpoint) -> bool:
 def _unchanged(plans: list[ModulePlan]) -> str:
     """Why no module changes, in the words of each plan's action (those inspect prints)."""
     state = "stock" if plans[0].mode == "to-stock" else "slim"
-    reasons = {"already": 0, "no input bias": 0}
+    # The words in a plan's action that give its reason, and the reason for one module and for several.
+    reasons = {
+        "already": (f"is already in the {state} layout", f"are already in the {state} layout"),
+        "add_zero_attn": ("keeps its key bias (add_zero_attn)", "keep their key bias (add_zero_attn)"),
+        "no input bias": ("has no input biases (bias=False)", "have no input biases (bias=False)"),
+    }
+    counts = dict.fromkeys(reasons, 0)
     for plan in plans:
-        reasons["no input bias" if "no input bias" in plan.action else "already"] += 1
+        counts[next((words for words in reasons if words in plan.action), "already")] += 1
+    found = [(count, reasons[words]) for words, count in counts.items() if count]
     if len(plans) == 1:
-        return (
-            f"its attention module '{shown(plans[0].group.name)}' "
-            + ("has no input biases (bias=False)" if reasons["no input bias"] else f"is already in the {state} layout")
-        )
-    if not reasons["no input bias"]:
-        return f"all {len(plans)} attention modules are already in the {state} layout"
-    if not reasons["already"]:
+        return f"its attention module '{shown(plans[0].group.name)}' {found[0][1][0]}"
+    if counts["no input bias"] == len(plans):
         return f"none of its {len(plans)} attention modules has input biases (bias=False)"
-    already, biasless = reasons["already"], reasons["no input bias"]
-    return (
-        f"of its {len(plans)} attention modules, {already} {'is' if already == 1 else 'are'} already in the "
-        f"{state} layout and {biasless} {'has' if biasless == 1 else 'have'} no input biases (bias=False)"
-    )
+    if len(found) == 1:
+        return f"all {len(plans)} attention modules {found[0][1][1]}"
+    parts = [f"{count} {one if count == 1 else several}" for count, (one, several) in found]
+    return f"of its {len(plans)} attention modules, " + " and ".join(parts)
 
 
 # ------------------------------------------------------------------------------------ per module
@@ -459,6 +473,7 @@ def _write_output(
     check: Callable[[], None],
     progress: bool | None,
     verify: bool,
+    follow_outside_links: bool,
 ) -> tuple[dict[str, int], tuple[str, ...]]:
     """Write the output into a staging path and move it into place; on any failure, including an
     interruption, the staging path is removed and DST is left as it was. Returns each written file's
@@ -473,10 +488,11 @@ def _write_output(
     # cp -p: each file keeps its source's permission bits, the folder its source folder's (a replaced
     # DST its own, less any the source lacks), whatever the umask.
     folder_source = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
+    root = Path(os.path.realpath(folder_source))
     if checkpoint.writes_directory:
-        mode = output_permissions(folder_source, destination, force=force)
+        mode = output_permissions(permissions(folder_source), destination, force=force)
     else:
-        mode = output_permissions(checkpoint.shards[0].path, destination, force=force)
+        mode = output_permissions(checkpoint.shards[0].file.mode, destination, force=force)
     staging = Staging(destination, directory=checkpoint.writes_directory, mode=mode)
     sizes: dict[str, int] = {}
     try:
@@ -486,7 +502,12 @@ def _write_output(
             for companion in companions:
                 bar.set_postfix_str(companion.name, refresh=False)
                 target = staging.path / companion.name
-                digests[companion.name] = copy_file(companion.path, target, bar.update, mode=companion.mode)
+                # Opened and judged again: the listing is only where to look; the opened file is what is copied.
+                opened = open_input(companion.path, root, follow_outside_links=follow_outside_links)
+                try:
+                    digests[companion.name] = copy_file(opened, target, bar.update, mode=opened.mode)
+                finally:
+                    opened.close()
                 if verify and file_digest(target) != digests[companion.name]:
                     raise RuntimeError(
                         f"{shown(destination / companion.name)}: {option('verify')} read the copied file back and it "
@@ -496,24 +517,25 @@ def _write_output(
             for number, (name, tensors) in enumerate(files):
                 path, final = (staging.path / name, destination / name) if checkpoint.writes_directory else (
                     staging.path, destination)
-                file_mode = mode if not checkpoint.writes_directory else permissions(shards[name].path)
+                file_mode = mode if not checkpoint.writes_directory else shards[name].file.mode
                 bar.set_postfix_str(name, refresh=False)
                 metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
                 sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
                 if number == 0:
-                    _pause_for_tests("after-first-shard")
+                    pause_for_tests("after-first-shard")
                 if verify:
                     check_written_file(path, tensors, shown_as=final)
             if checkpoint.kind == "sharded":
                 text = _index_text(checkpoint, files, provenance, digests)
                 index = staging.path / checkpoint.index_name
-                _write_index(index, text, permissions(checkpoint.index_path))
+                _write_index(index, text, checkpoint.index_file.mode)
                 sizes[checkpoint.index_name] = len(text.encode("utf-8"))
                 if verify:
                     check_written_text(index, text, shown_as=destination / checkpoint.index_name)
-            _pause_for_tests("before-commit")
+            pause_for_tests("before-commit")
+            checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
             staging.commit(replace=force or _is_empty_directory(destination), check=check)
-            _pause_for_tests("after-commit")
+            pause_for_tests("after-commit")
         return sizes, tuple(staging.notes)
     except OSError as exc:
         if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
@@ -537,17 +559,6 @@ def _write_output(
 
 def _is_empty_directory(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not os.listdir(path)
-
-
-def _pause_for_tests(point: str) -> None:
-    """Let a test kill or interrupt the run at ``point`` (see ``_TEST_PAUSE``); a no-op otherwise."""
-    wanted, _, ready = os.environ.get(_TEST_PAUSE, "").partition("=")
-    if wanted != point:
-        return
-    Path(ready).touch()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _index_text(
@@ -579,14 +590,13 @@ def _report(
     records = checkpoint.records
     metadata = dict(checkpoint.shards[0].metadata) if checkpoint.shards else {}
     metadata.pop(COMPANIONS_KEY, None)  # bookkeeping for a later force run, not the model's metadata
-    files = {shard.path for shard in checkpoint.shards} | ({checkpoint.index_path} if checkpoint.index_path else set())
     return MigrationReport(
         mode=mode,
         source=checkpoint.source,
         destination=destination,
         shards=tuple(shard.name for shard in checkpoint.shards),
         tensors=len(records),
-        total_bytes=sum(os.stat(path).st_size for path in files),  # on disk, as ls and du count them
+        total_bytes=sum(opened.size for opened in checkpoint.files),  # on disk, as ls and du count them
         modules=modules,
         metadata=metadata,
         notes=(*checkpoint.notes, *extra_notes),

@@ -9,12 +9,14 @@ it replaces, so dtypes are kept and folding adds at most one rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from slim_mha.bias import BIAS_NAMES, SlimBiases, fold_key_bias, fold_value_bias_into_output, keeps_key_bias, unfold_key_bias
+from slim_mha.bias import (
+    BIAS_NAMES, SlimBiases, fold_key_bias, fold_value_bias_into_output, keeps_key_bias, unfold_key_bias, zero_key_bias,
+)
 
 from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
@@ -49,7 +51,10 @@ class ModulePlan:
 def plan_module(group: AttentionGroup, mode: str, *, zero_attn: bool, fold_value_bias: bool = False) -> ModulePlan:
     """Decide, from the layout alone, what ``mode`` does to ``group``.
 
-    A plan with a ``refusal`` says why ``mode`` cannot convert this module exactly.
+    ``strip`` writes the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``); ``fold`` writes
+    stock's layout with the key slot of ``in_proj_bias`` zeroed, which stock and slim both load;
+    ``to-stock`` turns the key-bias-free layout back into stock's. A plan with a ``refusal`` says why
+    ``mode`` cannot convert this module exactly.
 
     Raises:
         ValueError: the checkpoint contradicts the ``add_zero_attn`` mark.
@@ -65,38 +70,62 @@ def plan_module(group: AttentionGroup, mode: str, *, zero_attn: bool, fold_value
         )
     if mode == "to-stock":
         return _plan_to_stock(group, zero_attn)
-    return _plan_to_slim(group, mode, zero_attn, fold_value_bias)
+    if mode == "fold" and group.is_slim:  # the key-bias-free layout: stock's, with the key slot zero
+        plan = _plan_to_stock(group, zero_attn)
+        if plan.refusal:
+            return replace(plan, mode=mode)
+        return _with_value_fold(group, mode, zero_attn, fold_value_bias, [plan.action], set(plan.removed), plan.placed)
+    if mode == "fold":
+        return _plan_fold(group, zero_attn, fold_value_bias)
+    return _plan_strip(group, zero_attn, fold_value_bias)
 
 
-def _plan_to_slim(group: AttentionGroup, mode: str, zero_attn: bool, fold_value: bool) -> ModulePlan:
+def _plan_strip(group: AttentionGroup, zero_attn: bool, fold_value: bool) -> ModulePlan:
     removed: set[str] = set()
     placed: dict[str, str] = {}
     if "in_proj_bias" in group:
-        if mode == "strip" and group.has_bias_kv:
+        if group.has_bias_kv:
             return ModulePlan(
-                group, mode, zero_attn, "refuses: bias_k is present (use fold)",
+                group, "strip", zero_attn, "refuses: bias_k is present (use fold)",
                 refusal=f"bias_k is present ({group.where('bias_k')}), so dropping the key bias is not "
                 "exact; use fold, which folds it into bias_k",
             )
-        if mode == "strip" and zero_attn:
+        if zero_attn:
             return ModulePlan(
-                group, mode, zero_attn, "refuses: add_zero_attn (use fold)",
+                group, "strip", zero_attn, "refuses: add_zero_attn (use fold)",
                 refusal="it is marked add_zero_attn, and the zero key makes the key bias matter; use fold, "
-                "which keeps it as k_proj_bias",
+                "which keeps stock's layout for it",
             )
         removed.add("in_proj_bias")
         placed.update(q_proj_bias="in_proj_bias", v_proj_bias="in_proj_bias")
-        if keeps_key_bias(add_zero_attn=zero_attn):
-            placed["k_proj_bias"] = "in_proj_bias"
-            actions = ["split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)"]
-        elif group.has_bias_kv:
-            placed["bias_k"] = "bias_k"
-            actions = ["drop the key slice of in_proj_bias, fold it into bias_k"]
-        else:
-            actions = ["drop the key slice of in_proj_bias"]
+        actions = ["drop the key slice of in_proj_bias"]
     else:
         actions = ["nothing to do (already slim)" if group.is_slim else "nothing to do (no input bias)"]
+    return _with_value_fold(group, "strip", zero_attn, fold_value, actions, removed, placed)
 
+
+def _plan_fold(group: AttentionGroup, zero_attn: bool, fold_value: bool) -> ModulePlan:
+    if "in_proj_bias" not in group:
+        return ModulePlan(group, "fold", zero_attn, "nothing to do (no input bias)")
+    if keeps_key_bias(add_zero_attn=zero_attn):
+        action = "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"
+        if fold_value:
+            return _with_value_fold(group, "fold", zero_attn, fold_value, [action], set(), {})
+        return ModulePlan(group, "fold", zero_attn, action)
+    placed = {"in_proj_bias": "in_proj_bias"}
+    if group.has_bias_kv:
+        placed["bias_k"] = "bias_k"
+        actions = ["zero the key slot of in_proj_bias, fold it into bias_k"]
+    else:
+        actions = ["zero the key slot of in_proj_bias"]
+    return _with_value_fold(group, "fold", zero_attn, fold_value, actions, set(), placed)
+
+
+def _with_value_fold(
+    group: AttentionGroup, mode: str, zero_attn: bool, fold_value: bool, actions: list[str], removed: set[str],
+    placed: dict[str, str],
+) -> ModulePlan:
+    """The plan, with ``b_v`` folded into ``out_proj.bias`` too when asked (refused with add_zero_attn)."""
     value_bias_present = "in_proj_bias" in group or "v_proj_bias" in group
     if fold_value and value_bias_present:
         if zero_attn:
@@ -107,9 +136,12 @@ def _plan_to_slim(group: AttentionGroup, mode: str, zero_attn: bool, fold_value:
             )
         fold_text = "fold the value bias into out_proj.bias (exact in eval only)"
         actions = actions + [fold_text] if placed else [fold_text]
+        placed = dict(placed)
         placed.pop("v_proj_bias", None)
         if "v_proj_bias" in group:
-            removed.add("v_proj_bias")
+            removed = removed | {"v_proj_bias"}
+        if mode == "fold" and "in_proj_bias" in group:
+            placed["in_proj_bias"] = "in_proj_bias"  # its value slot is zeroed
         placed["out_proj.bias"] = "out_proj.bias"
         if group.has_bias_kv:
             placed["bias_v"] = "bias_v"
@@ -146,29 +178,37 @@ def migrated_tensors(plan: ModulePlan, read: Callable[[str], Tensor]) -> dict[st
     ``read(local)`` returns an original tensor of the module by its local name.
     """
     group = plan.group
+    embed_dim = group.embed_dim
 
     def wide(local: str) -> Tensor | None:
         return read(local).to(_WIDE) if local in group else None
 
     current: dict[str, Tensor | None] = {}
-    if "in_proj_bias" in plan.removed:  # strip or fold: the key bias goes (or moves to k_proj_bias)
-        biases = fold_key_bias(wide("in_proj_bias"), wide("bias_k"), add_zero_attn=plan.zero_attn)
-        current.update(biases._asdict())
-    elif plan.mode == "to-stock" and plan.changes:
+    if plan.mode == "strip" and "in_proj_bias" in plan.removed:
+        current.update(fold_key_bias(wide("in_proj_bias"), add_zero_attn=plan.zero_attn)._asdict())
+    elif "in_proj_bias" in group and "in_proj_bias" in plan.placed:  # fold: stock's layout, key slot zeroed
+        current["in_proj_bias"], current["bias_k"] = zero_key_bias(
+            wide("in_proj_bias"), wide("bias_k"), add_zero_attn=plan.zero_attn
+        )
+    elif group.is_slim and "in_proj_bias" in plan.placed:  # to-stock, or fold of the key-bias-free layout
         # bias_k comes back as stored (see unfold_key_bias), so it is neither read nor rewritten.
         biases = SlimBiases(
             q_proj_bias=wide("q_proj_bias"), k_proj_bias=wide("k_proj_bias"), v_proj_bias=wide("v_proj_bias"), bias_k=None
         )
-        current["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=group.embed_dim)
+        current["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=embed_dim)
     if plan.fold_value:
+        packed = current.get("in_proj_bias") if "in_proj_bias" in current else wide("in_proj_bias")
         value_bias = current.get("v_proj_bias")
-        value_bias = value_bias if value_bias is not None else wide("v_proj_bias")
+        if value_bias is None:
+            value_bias = packed[2 * embed_dim :] if packed is not None else wide("v_proj_bias")
         weight = read("out_proj.weight")
         # fold_value_bias_into_output multiplies in the weight's dtype (at least fp32): widen it to the bias's too.
         work = torch.promote_types(weight.dtype, FLOAT_DTYPES[group.records["out_proj.bias"].dtype])
         current["out_proj.bias"], current["bias_v"] = fold_value_bias_into_output(
             value_bias, weight.to(work), wide("out_proj.bias"), wide("bias_v"), add_zero_attn=plan.zero_attn
         )
+        if "in_proj_bias" in plan.placed:  # the value slot is folded: it stays in the file as zeros
+            current["in_proj_bias"] = torch.cat([packed[: 2 * embed_dim], packed.new_zeros(embed_dim)])
     return {
         local: current[local].to(FLOAT_DTYPES[group.records[source].dtype]).contiguous()
         for local, source in plan.placed.items()

@@ -19,8 +19,19 @@ moved into place in one step:
 * a DST that does not exist is claimed with ``RENAME_NOREPLACE``, so a DST that appears meanwhile is
   never overwritten.
 
-Signals are held back during each rename and the bookkeeping that records it, so that what the CLI
-says after an interruption matches what is on disk (:class:`Journal`).
+A staging path whose name would pass ``NAME_MAX`` takes a hash of DST's name instead of the name.
+
+Litter is acted on only if this tool's ledger recorded it: each staging path, and each DST moved
+aside, is written in a small ledger under the user's state folder (``$XDG_STATE_HOME/slim_mha``, or
+``~/.local/state/slim_mha``) with its ``(st_dev, st_ino)``, before the run can leave it behind. A
+folder that is merely named like ours, planted or not, is never restored into DST nor deleted: the
+run says so and leaves it.
+
+The commit, from the last check of DST to the removal of the replaced tree, is one block that no
+SIGINT, SIGTERM or SIGHUP can cut: in the main thread (where Python runs every signal handler,
+whichever thread the signal reached) the handlers are swapped for a recorder for the block, and the
+first signal recorded acts just after it. So what the CLI says after an interruption matches what is
+on disk (:class:`Journal`), and no staging or retired path is left.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -36,11 +49,14 @@ import shutil
 import signal
 import stat
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._inputs import identity
 from ._text import shown
 
 try:
@@ -91,34 +107,162 @@ def _note(**changes) -> None:
             setattr(record, name, value)
 
 
+_deferring = [0]  # how deep the main thread is in signals_deferred blocks
+
+
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP back for the block: a handler then runs just after it, never
-    between a rename and the record of it, nor in the middle of removing a staging path."""
+    """Hold SIGINT, SIGTERM and SIGHUP back for the block: their handlers run just after it, never
+    between a rename and the record of it, nor in the middle of removing a staging path.
+
+    Python runs signal handlers in the main thread, whichever thread the signal reached, so masking
+    the main thread alone is not enough: there, the handlers are replaced by a recorder for the block,
+    and the first signal recorded is handed to the handler it was meant for once the block ends."""
     if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
     try:
-        yield
+        if threading.current_thread() is not threading.main_thread() or _deferring[0]:
+            _deferring[0] += threading.current_thread() is threading.main_thread()
+            try:
+                yield
+            finally:
+                _deferring[0] -= threading.current_thread() is threading.main_thread()
+            return
+        pending: list[int] = []
+        handlers = {}
+        for signum in _DEFERRED_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler not in (signal.SIG_IGN, None):
+                handlers[signum] = signal.signal(signum, lambda number, frame: pending.append(number))
+        _deferring[0] = 1
+        try:
+            yield
+        finally:
+            _deferring[0] = 0
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            if pending:
+                _deliver(pending[0], handlers[pending[0]])
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+
+
+def _deliver(signum: int, handler) -> None:
+    """Act on a signal held back: its Python handler, or, for the default action, the signal itself."""
+    if callable(handler):
+        handler(signum, None)
+    else:  # SIG_DFL: what the signal would have done (ends the process), now that the block is over
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.raise_signal(signum)
+
+
+# ------------------------------------------------------------------------------------ the ledger
+
+
+def _ledger_folder() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "slim_mha" / "migration"
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    return identity(path, follow_symlinks=False)  # the path itself: litter is never followed through a link
+
+
+def _record(path: Path, identity: tuple[int, int] | None = None) -> str | None:
+    """Write in the ledger that this tool made ``path`` (with that identity: its own by default);
+    returns the entry's token, or None where the ledger cannot be written (the path is then never
+    removed automatically)."""
+    identity = identity or _identity(path)
+    if identity is None:
+        return None
+    token = secrets.token_hex(16)
+    entry = {"path": os.fsencode(os.path.abspath(path)).hex(), "device": identity[0], "inode": identity[1]}
+    folder = _ledger_folder()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(folder / token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(descriptor, "w", encoding="ascii") as file:
+            json.dump(entry, file)
+    except OSError:
+        return None
+    return token
+
+
+def _forget(token: str | None) -> None:
+    if token:
+        with contextlib.suppress(OSError):
+            os.unlink(_ledger_folder() / token)
+
+
+def _recorded(path: Path) -> str | None:
+    """The token of the ledger entry naming ``path`` with its present identity, or None: a path only
+    named like ours is not ours."""
+    identity = _identity(path)
+    wanted = os.fsencode(os.path.abspath(path)).hex()
+    try:
+        entries = list(os.scandir(_ledger_folder()))
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(entry.path, encoding="ascii") as file:
+                record = json.load(file)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("path") == wanted:
+            if identity is not None and (record.get("device"), record.get("inode")) == identity:
+                return entry.name
+    return None
 
 
 # ------------------------------------------------------------------------------------ litter
 
 
+_NAME_MAX = 255
+# Tests only: "POINT=FILE" makes a run create FILE at POINT and wait while it exists (a minute at most),
+# so that a test can kill or interrupt it there.
+_TEST_PAUSE = "SLIM_MHA_MIGRATION_TEST_PAUSE"
+
+
+def pause_for_tests(point: str) -> None:
+    """Let a test kill or interrupt the run at ``point`` (see ``_TEST_PAUSE``); a no-op otherwise."""
+    wanted, _, ready = os.environ.get(_TEST_PAUSE, "").partition("=")
+    if wanted != point:
+        return
+    Path(ready).touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and os.path.exists(ready):
+        time.sleep(0.05)
+
+
+def _stem(destination: Path) -> str:
+    """What litter beside ``destination`` is named after: DST's name, or a hash of it where the name
+    with our suffix would pass ``NAME_MAX`` (a legal long DST must still get a staging path)."""
+    name = destination.name
+    longest = f".{name}.{RETIRED_TAG}-{'0' * 8}"
+    if len(os.fsencode(longest)) <= _NAME_MAX:
+        return name
+    return hashlib.sha256(os.fsencode(name)).hexdigest()[:32]
+
+
+def _aside(destination: Path, tag: str) -> Path:
+    return destination.parent / f".{_stem(destination)}.{tag}-{secrets.token_hex(4)}"
+
+
 def _litter_pattern(destination: Path) -> re.Pattern[str]:
     tags = f"{STAGING_TAG}|{RETIRED_TAG}"
-    return re.compile(rf"\.{re.escape(destination.name)}\.({tags})-[0-9a-f]{{8}}")
+    return re.compile(rf"\.{re.escape(_stem(destination))}\.({tags})-[0-9a-f]{{8}}")
 
 
 _LEGACY = r"\.{name}\.[0-9a-f]{{8}}\.tmp(\.old)?"  # the names used before this scheme; never removed
 
 
 def remove_litter(destination: Path) -> tuple[str, ...]:
-    """Remove what interrupted runs left beside ``destination`` (only names of our own kind, only when
-    no live run holds them, and only if they hold nothing but regular files); return what was done."""
+    """Remove what interrupted runs left beside ``destination`` (only paths this tool's ledger records,
+    only when no live run holds them, and only if they hold nothing but regular files); return what
+    was done."""
     notes: list[str] = []
     pattern = _litter_pattern(destination)
     legacy = re.compile(_LEGACY.format(name=re.escape(destination.name)))
@@ -131,14 +275,21 @@ def remove_litter(destination: Path) -> tuple[str, ...]:
         match = pattern.fullmatch(name)
         if not match:
             continue
+        token = _recorded(path)
+        if token is None:
+            notes.append(
+                f"left {shown(path)}: it is named like slim-mha-migrate's staging, but no record of this tool's runs "
+                "says it made it; look inside and remove it by hand"
+            )
+            continue
         try:
-            notes.append(_remove_one(path, destination, retired=match.group(1) == RETIRED_TAG))
+            notes.append(_remove_one(path, destination, retired=match.group(1) == RETIRED_TAG, token=token))
         except OSError as exc:  # litter we cannot remove must not stop the run; it is only litter
             notes.append(f"could not remove {shown(path)}, left by an interrupted run ({exc.strerror or exc})")
     return tuple(notes)
 
 
-def _remove_one(path: Path, destination: Path, *, retired: bool) -> str:
+def _remove_one(path: Path, destination: Path, *, retired: bool, token: str) -> str:
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -153,6 +304,7 @@ def _remove_one(path: Path, destination: Path, *, retired: bool) -> str:
         if retired and not os.path.lexists(destination):
             with signals_deferred():
                 os.rename(path, destination)
+                _forget(token)
             return (
                 f"restored {shown(destination)} from {shown(path)}, where an interrupted run had moved it "
                 "while replacing it"
@@ -160,6 +312,7 @@ def _remove_one(path: Path, destination: Path, *, retired: bool) -> str:
         kind = "the previous DST moved aside" if retired else "a partial output"
         with signals_deferred():
             _delete(path)
+            _forget(token)
         return f"removed {shown(path)}, {kind} left by an interrupted run"
 
 
@@ -215,8 +368,9 @@ class Staging:
         self.destination = destination
         self.directory = directory
         self.mode = mode  # a folder's permission bits once in place (a file's are set by its writer)
-        self.path = destination.parent / f".{destination.name}.{STAGING_TAG}-{secrets.token_hex(4)}"
+        self.path = _aside(destination, STAGING_TAG)
         self.committed = False
+        self._entries: list[tuple[str | None, Path]] = []  # ledger entries this run wrote, and their paths
         self.notes: list[str] = []  # for the report: what could not be cleaned up after the commit
         self._lock: int | None = None
 
@@ -229,6 +383,7 @@ class Staging:
             self._lock = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o600)
         if fcntl is not None:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._entries.append((_record(self.path), self.path))
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -241,13 +396,22 @@ class Staging:
                     _note(leftover=self.path)  # locked until we exit; the next run removes it
         finally:
             os.close(self._lock)
+            for token, path in self._entries:  # a path still there is litter the next run may remove
+                if not os.path.lexists(path):
+                    _forget(token)
 
     def commit(self, *, replace: bool, check: Callable[[], None]) -> None:
         """Move the staging path to DST. ``replace`` allows an existing DST to be replaced; ``check()``
-        re-runs the destination checks just before, as DST may have changed while we wrote."""
+        re-runs the destination checks just before, as DST may have changed while we wrote. No signal
+        can land inside: it acts before the block or after it (see :func:`signals_deferred`)."""
         if self.directory:
             os.chmod(self.path, self.mode)  # the staging name is ours alone, held by our lock
             _sync(self.path)
+        with signals_deferred():
+            pause_for_tests("inside-commit")
+            self._commit(replace=replace, check=check)
+
+    def _commit(self, *, replace: bool, check: Callable[[], None]) -> None:
         exists = os.path.lexists(self.destination)
         if not exists:
             with signals_deferred():
@@ -274,12 +438,18 @@ class Staging:
         try:
             if fcntl is not None:  # the old tree is ours to remove: no other run may restore or delete it
                 fcntl.flock(old, fcntl.LOCK_EX)
+            old_identity = _identity(self.destination)
             with signals_deferred():
+                # Recorded before the rename: a run killed before it removes the old tree leaves it known as ours.
+                exchanged = _record(self.path, old_identity)
                 if _renameat2(self.path, self.destination, _RENAME_EXCHANGE):
+                    self._entries.append((exchanged, self.path))
                     self._record_commit()
                     aside = self.path  # the old tree now sits under the staging name
                 else:
-                    aside = self.destination.parent / f".{self.destination.name}.{RETIRED_TAG}-{secrets.token_hex(4)}"
+                    _forget(exchanged)
+                    aside = _aside(self.destination, RETIRED_TAG)
+                    self._entries.append((_record(aside, old_identity), aside))
                     os.rename(self.destination, aside)
                     try:
                         os.rename(self.path, self.destination)
@@ -392,4 +562,4 @@ def _sync(path: Path) -> None:
         os.close(descriptor)
 
 
-__all__ = ["Journal", "Staging", "journal", "remove_litter", "signals_deferred", "sync_files"]
+__all__ = ["Journal", "Staging", "journal", "pause_for_tests", "remove_litter", "signals_deferred", "sync_files"]

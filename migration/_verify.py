@@ -1,6 +1,8 @@
 """``--verify``: rebuild a module from its original and its migrated tensors and compare the outputs,
 then read every written file back and compare every tensor with what it must hold.
 
+Both modules are torch's stock class, whatever the layout: the key-bias-free layout is turned into
+stock's first (:func:`slim_mha.bias.unfold_key_bias`), so the check depends on stock alone.
 Measuring (:func:`module_output_error`), checking (:func:`check_module_error`) and formatting (the
 message) are separate. One head suffices: the key-bias shift ``q·b_k`` is per query and per head
 alike, so a fold that is exact for one head is exact for any split of the same projections.
@@ -23,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slim_mha import SlimMultiheadAttention
 from slim_mha._matrix import TOLERANCE
+from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias
 from slim_mha._torch_compat import STOCK_MHA
 
 from ._text import option, shown
@@ -102,21 +104,22 @@ def check_module_error(error: float, tolerance: float, *, module: str, where: st
 
 
 def _rebuild(tensors: dict[str, Tensor], embed_dim: int, kdim: int, vdim: int, zero_attn: bool) -> nn.Module:
-    """A one-head module of the layout the tensors are in, holding exactly those tensors."""
-    slim = any(name in tensors for name in ("q_proj_bias", "k_proj_bias", "v_proj_bias"))
-    cls = SlimMultiheadAttention if slim else STOCK_MHA
-    module = cls(
+    """A one-head stock module holding exactly these tensors; the key-bias-free layout is first turned
+    into stock's (a dropped key bias and a folded value bias become zero slots, as stock computes them)."""
+    tensors = dict(tensors)
+    if any(name in tensors for name in BIAS_NAMES):
+        biases = SlimBiases(*(tensors.pop(name, None) for name in BIAS_NAMES), bias_k=None)
+        tensors["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=embed_dim)
+    module = STOCK_MHA(
         embed_dim,
         1,
-        bias="in_proj_bias" in tensors or "q_proj_bias" in tensors,
+        bias="in_proj_bias" in tensors,
         add_bias_kv="bias_k" in tensors,
         add_zero_attn=zero_attn,
         kdim=kdim,
         vdim=vdim,
         device="meta",  # assign=True below puts the given tensors in place; nothing is allocated twice
     )
-    if slim and "v_proj_bias" not in tensors:
-        module.v_proj_bias = None  # the value bias was folded into out_proj.bias
     module.load_state_dict(tensors, strict=True, assign=True)
     return module.eval()
 
@@ -168,9 +171,10 @@ def _expected_bytes(tensor: OutputTensor, sources: dict, stack: ExitStack):
     if in_memory is not None:
         what = "the converted tensor" if tensor.tensor is not None else f"the tensor in {shown(record.shard.path)}"
         return memoryview(in_memory.contiguous().reshape(-1).view(torch.uint8).numpy()), 0, what
-    if record.shard.path not in sources:
-        sources[record.shard.path] = _mapped(record.shard.path, stack)
-    return sources[record.shard.path], record.offset, f"its bytes in {shown(record.shard.path)}"
+    opened = record.shard.file
+    if opened.path not in sources:  # the opened shard itself, never its path again
+        sources[opened.path] = stack.enter_context(mmap.mmap(opened.descriptor, 0, access=mmap.ACCESS_READ))
+    return sources[opened.path], record.offset, f"its bytes in {shown(opened.path)}"
 
 
 def _first_difference(written, written_start: int, source, source_start: int, length: int) -> int | None:

@@ -10,6 +10,8 @@ Unchanged tensors that sit back to back in the source are copied as one run, in 
 (``copy_file_range``) when source and destination offsets agree within a page, otherwise through a
 1 MiB buffer; the header padding is chosen so that most copied bytes agree.
 
+Sources are read through the descriptors the run opened (see ``._inputs``), never by path again.
+
 Every shard is fsynced before it is closed: the rename that publishes it must never overtake its data.
 Companion files (``config.json``, tokenizer files...) are copied byte for byte, and made durable
 together by the staging folder's one sync (a model folder may hold thousands of them, and one fsync
@@ -23,7 +25,6 @@ import errno
 import hashlib
 import json
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ._checkpoint import ITEM_SIZES, TensorRecord
+from ._inputs import OpenedFile, opened_for_library
 from ._text import shown
 
 _CHUNK = 64 * 1024 * 1024  # bytes per kernel copy call: small enough for a smooth bar and a prompt Ctrl-C
@@ -68,7 +70,6 @@ def write_safetensors(
     it will end up), not as the staging ``path``."""
     blob, ordered, offsets = _layout(tensors, metadata)
     data_start = 8 + len(blob)
-    sources: dict[Path, int] = {}
     buffer = bytearray(_BUFFER)
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -79,16 +80,12 @@ def write_safetensors(
                 _write_at(target, run.data, destination)
                 advance(run.length)
                 continue
-            if run.path not in sources:
-                sources[run.path] = os.open(run.path, os.O_RDONLY | os.O_NONBLOCK)  # a pipe never blocks us
-            _copy_range(sources[run.path], run.source_offset, target, destination, run.length, buffer, advance,
-                        source_path=run.path)
+            _copy_range(run.source.descriptor, run.source_offset, target, destination, run.length, buffer, advance,
+                        source_path=run.source.path)
         os.fchmod(target, mode)
         os.fsync(target)
     finally:
         os.close(target)
-        for descriptor in sources.values():
-            os.close(descriptor)
     _check_written(path, ordered, shown_as or path)
     return data_start + offsets[-1]
 
@@ -107,27 +104,17 @@ def _layout(tensors: list[OutputTensor], metadata: dict[str, str]) -> tuple[byte
     return blob + b" " * (data_start - 8 - len(blob)), ordered, offsets  # the format allows trailing spaces
 
 
-def copy_file(source: Path, target: Path, advance: Callable[[int], object], *, mode: int = 0o644) -> str:
-    """Copy ``source`` (a companion file; a symlink is followed) to a new file ``target``, byte for byte,
-    with permission bits ``mode``; returns the SHA-256 of the bytes copied. Not synced: the caller
-    syncs the folder's files at once. It is opened without blocking and checked to be a regular file,
-    so a named pipe that replaced it since it was listed cannot hang the run."""
-    descriptor = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
+def copy_file(source: OpenedFile, target: Path, advance: Callable[[int], object], *, mode: int = 0o644) -> str:
+    """Copy the opened ``source`` (a companion file) to a new file ``target``, byte for byte, with
+    permission bits ``mode``; returns the SHA-256 of the bytes copied. Not synced: the caller syncs the
+    folder's files at once. The source is checked unchanged once copied (its last read)."""
+    output = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        before = os.fstat(descriptor)
-        if not stat.S_ISREG(before.st_mode):
-            raise ValueError(f"{shown(source)}: is no longer a regular file; it changed while being copied")
-        output = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            digest = _copy_hashing(descriptor, output, before.st_size, advance, source_path=source)
-            os.fchmod(output, mode)
-        finally:
-            os.close(output)
-        after = os.fstat(descriptor)
-        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-            raise ValueError(f"{shown(source)}: changed while being copied; copy again when nothing writes it")
+        digest = _copy_hashing(source.descriptor, output, source.size, advance, source_path=source.path)
+        os.fchmod(output, mode)
     finally:
-        os.close(descriptor)
+        os.close(output)
+    source.check_unchanged()
     return digest
 
 
@@ -157,7 +144,7 @@ class _Run:
     offset: int
     length: int
     data: memoryview | None = None
-    path: Path | None = None
+    source: OpenedFile | None = None
     source_offset: int = 0
 
 
@@ -172,10 +159,10 @@ def _runs(ordered: list[OutputTensor], offsets: list[int]) -> list[_Run]:
             runs.append(_Run(offset, tensor.nbytes, data=memoryview(flat.view(torch.uint8).numpy())))
             continue
         last = runs[-1] if runs else None
-        if last and last.path == record.shard.path and last.source_offset + last.length == record.offset:
-            runs[-1] = _Run(last.offset, last.length + tensor.nbytes, path=last.path, source_offset=last.source_offset)
+        if last and last.source is record.shard.file and last.source_offset + last.length == record.offset:
+            runs[-1] = _Run(last.offset, last.length + tensor.nbytes, source=last.source, source_offset=last.source_offset)
         else:
-            runs.append(_Run(offset, tensor.nbytes, path=record.shard.path, source_offset=record.offset))
+            runs.append(_Run(offset, tensor.nbytes, source=record.shard.file, source_offset=record.offset))
     return runs
 
 
@@ -243,7 +230,7 @@ def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> N
     """Re-read the header just written; a mismatch is our bug (every key is checked when it is read),
     so it is an internal invariant, and the output is never moved into place."""
     try:
-        with safe_open(path, framework="pt") as handle:
+        with opened_for_library(path) as readable, safe_open(readable, framework="pt") as handle:
             keys = set(handle.keys())
     except SafetensorError as exc:  # pragma: no cover - would be a bug in the writer
         raise RuntimeError(

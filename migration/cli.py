@@ -33,7 +33,8 @@ SRC, which is read and never modified, is one of:
   - a .safetensors file;
   - a .pt, .pth, .bin or .ckpt file written by torch.save: a state dict, or a checkpoint holding one
     under 'state_dict' (PyTorch Lightning) or 'model'. It is loaded with torch.load(weights_only=True),
-    so a pickle that needs anything but tensors is refused unread;
+    so a pickle that needs anything but tensors is refused unread; this needs a torch release >= 2.10.0
+    (older weights-only unpicklers can be made to run code), else save the weights as safetensors;
   - a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json or any
     other *.index.json), whose shards, .safetensors or torch files as above, sit beside it;
   - a folder holding one of those two indexes, or one model.safetensors or pytorch_model.bin.
@@ -48,10 +49,12 @@ or not at all, with the permission bits of its source (as cp -p), and never insi
 
 _SUBCOMMANDS = {
     "strip": (
-        "drop the key bias where that is exact (refuses modules with bias_k or add_zero_attn)",
+        "the smallest file, for slim only: drop the key bias (refuses modules with bias_k or add_zero_attn)",
         """\
-Drop the key slice of every in_proj_bias. Exact unless tokens are appended after the projection:
-modules with bias_k, or marked --zero-attn, are refused with a pointer to `fold`.""",
+Write the key-bias-free layout: in_proj_bias becomes q_proj_bias and v_proj_bias, and the key bias
+leaves the file. Use it for the smallest file when only slim_mha will load it; stock
+nn.MultiheadAttention cannot (to-stock converts it back). Exact unless tokens are appended after the
+projection: modules with bias_k, or marked --zero-attn, are refused with a pointer to `fold`.""",
         """\
 examples:
   {prog} strip model.safetensors model.slim.safetensors
@@ -59,15 +62,17 @@ examples:
   {prog} strip model.pt model.slim.safetensors --dry-run""",
     ),
     "fold": (
-        "convert every module to the slim layout exactly, folding the key bias where it matters",
+        "a checkpoint stock and slim both load, exact: zero the key bias slot, folding it where it matters",
         """\
-Convert every stock module to the slim layout, exactly: the key bias is dropped, folded into bias_k
-(bias_k - b_k) where add_bias_kv appended a key, and kept as k_proj_bias in modules marked
---zero-attn.""",
+Write stock's layout with the key slot of every in_proj_bias zeroed: stock nn.MultiheadAttention and
+slim_mha both load the result (strict=True) and compute the original outputs. Use it when the file
+must stay loadable by stock. Where add_bias_kv appended a key, b_k is folded into bias_k
+(bias_k - b_k); modules marked --zero-attn need their key bias and are left as stock has them. A
+key-bias-free (strip) input is turned back into stock's layout.""",
         """\
 examples:
-  {prog} fold model.safetensors model.slim.safetensors --verify
-  {prog} fold ckpt/model.safetensors.index.json ckpt-slim/ --zero-attn 'decoder.layers.*.self_attn'
+  {prog} fold model.safetensors model.folded.safetensors --verify
+  {prog} fold ckpt/model.safetensors.index.json ckpt-folded/ --zero-attn 'decoder.layers.*.self_attn'
   {prog} fold model.safetensors model.eval.safetensors --fold-value-bias""",
     ),
     "to-stock": (
@@ -131,9 +136,10 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
     sub.add_argument(
         "--force",
         action="store_true",
-        help="replace DST if it exists: a file only if it is a safetensors file, a directory only if every "
-        "entry is a file this run writes and that is ours (shards and index that read as such, companion "
-        "files an earlier run wrote and nobody changed); anything else is named and nothing is touched",
+        help="replace DST if it exists and this tool wrote it: a file only if it is a safetensors file with "
+        "slim_mha metadata, a directory only if every entry is a file this run writes and that is ours "
+        "(shards and index with slim_mha metadata, companion files an earlier run wrote and nobody "
+        "changed); anything else, another model's checkpoint above all, is named and nothing is touched",
     )
     sub.add_argument(
         "--follow-outside-links",
@@ -159,8 +165,9 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
             "--fold-value-bias",
             action="store_true",
             help="also fold the value bias into out_proj.bias; exact for inference (eval) only: with "
-            "attention dropout (training) the outputs differ. The output has no v_proj_bias: load it into a "
-            "slim model after slim_mha.fold_value_bias(model.eval())",
+            "attention dropout (training) the outputs differ. fold leaves a zero value slot in in_proj_bias; "
+            "strip's output has no v_proj_bias: load it into a slim model after "
+            "slim_mha.fold_value_bias(model.eval())",
         )
     sub.add_argument("--quiet", action="store_true", help="print nothing on success and show no progress bar")
 

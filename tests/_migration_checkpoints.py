@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import fold_key_bias
 from _reference import randomize_parameters as randomize
 
 from slim_mha._torch_compat import STOCK_MHA  # stock even while slim_mha.patched() is active
@@ -44,6 +44,15 @@ def prefixed(module: nn.Module, prefix: str, dtype: torch.dtype | None = None) -
     }
 
 
+def key_bias_free(module: nn.Module, prefix: str, *, add_zero_attn: bool = False) -> dict[str, Tensor]:
+    """The module's state in the key-bias-free layout (format v1: q_proj_bias, v_proj_bias, and
+    k_proj_bias for add_zero_attn), as an earlier strip or fold wrote it."""
+    state = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    biases = fold_key_bias(state.pop("in_proj_bias"), state.pop("bias_k", None), add_zero_attn=add_zero_attn)
+    state.update({key: value for key, value in biases._asdict().items() if value is not None})
+    return {prefix + key: value.contiguous() for key, value in state.items()}
+
+
 def save_sharded(tensors: dict[str, Tensor], directory: Path, shards: list[list[str]], metadata=None) -> Path:
     """Write ``shards`` (lists of keys) as an HF-style sharded checkpoint; returns the directory."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -54,7 +63,8 @@ def save_sharded(tensors: dict[str, Tensor], directory: Path, shards: list[list[
         weight_map.update({key: name for key in keys})
     assert set(weight_map) == set(tensors), "every tensor must be in exactly one shard"
     total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    index = {"metadata": {"total_size": total, "origin": "tests"}, "weight_map": weight_map}
+    ours = {key: value for key, value in (metadata or {}).items() if key.startswith("slim_mha.")}  # an output's
+    index = {"metadata": {"total_size": total, "origin": "tests", **ours}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return directory
 

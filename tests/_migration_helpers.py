@@ -11,8 +11,22 @@ import torch
 from safetensors.torch import save_file
 
 from slim_mha.migration._checkpoint import torch_reads_pickles_safely
+from slim_mha.migration._staging import _record
 
 from slim_mha.migration.cli import main
+
+
+@pytest.fixture(autouse=True)
+def private_ledger(tmp_path_factory, monkeypatch):
+    """Each test gets its own ledger of staging paths (under XDG_STATE_HOME), for the runs it starts in
+    process and in subprocesses alike; imported by every migration test module, so autouse there."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
+def left_by_a_killed_run(path: Path) -> Path:
+    """Record ``path`` in the ledger as a run of this tool does before it can leave the path behind."""
+    assert _record(path) is not None
+    return path
 
 
 def default_sigint() -> None:
@@ -34,17 +48,21 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-# A test that reads a .pt input: on torch < 2.6 the migration refuses every pickle, by design (a test of
-# its own checks that refusal), so such a test has nothing to check there.
+# A test that reads a .pt input: before torch 2.10.0 the migration refuses every pickle, by design (a test
+# of its own checks that refusal), so such a test has nothing to check there.
 reads_pickles = pytest.mark.skipif(
-    not torch_reads_pickles_safely(), reason="torch < 2.6 refuses pickle-based inputs (needs torch >= 2.6)"
+    not torch_reads_pickles_safely(), reason="pickle-based inputs need a torch release >= 2.10.0"
 )
 
 
+# What every output of slim-mha-migrate carries, and what --force looks for before replacing a file.
+OURS = {"slim_mha.format_version": "1", "slim_mha.mode": "fold"}
+
+
 def old_output(path: Path, value: float = 0.0) -> bytes:
-    """A small safetensors file at ``path``, standing for an earlier output that --force may replace;
-    returns its bytes, to prove it unchanged."""
-    save_file({"old": torch.full((2,), value)}, path)
+    """A small safetensors file at ``path`` carrying this tool's metadata, standing for an earlier output
+    that --force may replace; returns its bytes, to prove it unchanged."""
+    save_file({"old": torch.full((2,), value)}, path, metadata=OURS)
     return path.read_bytes()
 
 

@@ -18,9 +18,11 @@ from slim_mha.migration import (
     to_stock_checkpoint,
 )
 from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias, zero_key_bias
 from _migration_checkpoints import (
     STOCK_MHA,
     attention_inputs,
+    key_bias_free,
     load_sharded,
     module_state,
     prefixed,
@@ -28,7 +30,8 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
-from _migration_helpers import reads_pickles
+from _migration_helpers import private_ledger, reads_pickles  # noqa: F401 (private_ledger: autouse)
+from _reference import assert_close_scaled
 
 # Every configuration stock accepts; ids name them.
 CONFIGS = {
@@ -44,14 +47,18 @@ BIASLESS = {"no_bias": {"bias": False}, "no_bias+bias_kv": {"bias": False, "add_
 
 
 def slim_from(state: dict, embed_dim: int = 8, num_heads: int = 2, **config) -> SlimMultiheadAttention:
+    """Built by the constructor and loaded through load_state_dict, as a user would."""
     module = SlimMultiheadAttention(embed_dim, num_heads, **config)
-    if "q_proj_bias" in state and "v_proj_bias" not in state:
-        module.v_proj_bias = None  # value bias folded into out_proj.bias
     module.load_state_dict(state, strict=True)
     return module.eval()
 
 
 def stock_from(state: dict, embed_dim: int = 8, num_heads: int = 2, **config):
+    """Stock, strict; a key-bias-free state is first put in stock's layout (absent slots are zero)."""
+    state = dict(state)
+    if "q_proj_bias" in state:
+        biases = SlimBiases(*(state.pop(name, None) for name in BIAS_NAMES), bias_k=None)
+        state["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=embed_dim)
     module = STOCK_MHA(embed_dim, num_heads, **config)
     module.load_state_dict(state, strict=True)
     return module.eval()
@@ -71,35 +78,57 @@ def zero_attn_marks(config) -> list[str]:
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_fold_then_to_stock_keeps_the_function(tmp_path, config):
+def test_fold_loads_into_stock_and_slim_with_the_original_outputs(tmp_path, config):
+    stock = stock_attention(**config)
+    # A plain module beside it: a lone add_zero_attn module has nothing to fold, and the run says so.
+    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors")
+
+    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "folded.safetensors",
+                    zero_attn=zero_attn_marks(config), verify=True)
+    folded = module_state(load_file(tmp_path / "folded.safetensors"), "attn.")
+    assert folded.keys() == stock.state_dict().keys()  # stock's layout, names and shapes
+    key_slot = folded["in_proj_bias"][8:16]
+    if config.get("add_zero_attn"):  # nothing can be folded: the module is left as stock has it
+        assert torch.equal(key_slot, stock.in_proj_bias[8:16])
+    else:
+        assert torch.count_nonzero(key_slot) == 0
+    expected = outputs(stock, config)
+    assert_close_scaled(outputs(stock_from(folded, **config), config), expected, "stock loading fold's output")
+    assert_close_scaled(outputs(slim_from(folded, **config), config), expected, "slim loading fold's output")
+
+
+@pytest.mark.parametrize("config", [{}, {"kdim": 5, "vdim": 6}], ids=["plain", "kdim_vdim"])
+def test_strip_then_to_stock_keeps_the_function(tmp_path, config):
     stock = stock_attention(**config)
     save_file(prefixed(stock, "attn."), tmp_path / "stock.safetensors")
+    strip_checkpoint(tmp_path / "stock.safetensors", tmp_path / "mid.safetensors", verify=True)
+    mid = module_state(load_file(tmp_path / "mid.safetensors"), "attn.")
+    assert "in_proj_bias" not in mid and "k_proj_bias" not in mid
+    assert_close_scaled(outputs(slim_from(mid, **config), config), outputs(stock, config), "slim loading strip's output")
 
-    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "slim.safetensors",
-                    zero_attn=zero_attn_marks(config), verify=True)
-    slim_state = module_state(load_file(tmp_path / "slim.safetensors"), "attn.")
-    assert "in_proj_bias" not in slim_state
-    assert ("k_proj_bias" in slim_state) == bool(config.get("add_zero_attn"))
-    torch.testing.assert_close(outputs(slim_from(slim_state, **config), config), outputs(stock, config))
-
-    to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "back.safetensors", verify=True)
+    to_stock_checkpoint(tmp_path / "mid.safetensors", tmp_path / "back.safetensors", verify=True)
     back_state = module_state(load_file(tmp_path / "back.safetensors"), "attn.")
     assert set(back_state) == set(stock.state_dict())
-    torch.testing.assert_close(outputs(stock_from(back_state, **config), config), outputs(stock, config))
+    assert_close_scaled(outputs(stock_from(back_state, **config), config), outputs(stock, config))
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_fold_matches_the_module_own_state_dict_loading(tmp_path, config):
-    """One implementation: a migrated file equals what SlimMultiheadAttention makes of the stock state."""
+def test_fold_matches_the_bias_arithmetic(tmp_path, config):
+    """One implementation: fold's file holds what slim_mha.bias.zero_key_bias makes of the stock state."""
     stock = stock_attention(**config)
-    save_file(prefixed(stock, "attn."), tmp_path / "stock.safetensors")
-    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "slim.safetensors", zero_attn=zero_attn_marks(config))
-    loaded = SlimMultiheadAttention(8, 2, **config)
-    loaded.load_state_dict(stock.state_dict(), strict=True)
-    migrated = module_state(load_file(tmp_path / "slim.safetensors"), "attn.")
-    assert migrated.keys() == loaded.state_dict().keys()
-    for key, value in loaded.state_dict().items():
-        torch.testing.assert_close(migrated[key], value, rtol=0, atol=1e-7, msg=key)
+    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors")
+    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "folded.safetensors", zero_attn=zero_attn_marks(config))
+    expected = {key: value.detach() for key, value in stock.state_dict().items()}
+    expected["in_proj_bias"], bias_k = zero_key_bias(
+        expected["in_proj_bias"].double(), expected["bias_k"].double() if "bias_k" in expected else None,
+        add_zero_attn=bool(config.get("add_zero_attn")),
+    )
+    if bias_k is not None:
+        expected["bias_k"] = bias_k
+    migrated = module_state(load_file(tmp_path / "folded.safetensors"), "attn.")
+    assert migrated.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(migrated[key], value.float(), rtol=0, atol=1e-7, msg=key)
 
 
 def test_fold_keeps_everything_else_bit_for_bit(tmp_path):
@@ -113,8 +142,7 @@ def test_fold_keeps_everything_else_bit_for_bit(tmp_path):
         if key not in changed:
             assert torch.equal(out[key], value), key
     b_q, b_k, b_v = tensors["layer.attn.in_proj_bias"].chunk(3)
-    assert torch.equal(out["layer.attn.q_proj_bias"], b_q)
-    assert torch.equal(out["layer.attn.v_proj_bias"], b_v)
+    assert torch.equal(out["layer.attn.in_proj_bias"], torch.cat([b_q, torch.zeros(8), b_v]))
     torch.testing.assert_close(out["layer.attn.bias_k"], tensors["layer.attn.bias_k"] - b_k.view(1, 1, 8))
 
 
@@ -127,7 +155,8 @@ def test_dtypes_are_kept_exactly(tmp_path, dtype):
     report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
                              fold_value_bias=True, verify=True)
     out = load_file(tmp_path / "out.safetensors")
-    assert out["attn.q_proj_bias"].dtype == dtype
+    assert out["attn.in_proj_bias"].dtype == dtype
+    assert torch.count_nonzero(out["attn.in_proj_bias"][8:]) == 0  # key and (folded) value slots
     assert out["attn.bias_k"].dtype == dtype
     assert out["attn.bias_v"].dtype == dtype
     assert out["attn.out_proj.bias"].dtype == torch.float32
@@ -135,14 +164,18 @@ def test_dtypes_are_kept_exactly(tmp_path, dtype):
     assert report.modules[0].verify_error is not None
 
 
-def test_strip_equals_fold_where_it_is_exact(tmp_path):
+def test_strip_and_fold_hold_the_same_biases_where_strip_is_exact(tmp_path):
+    """fold keeps stock's layout with a zero key slot; strip drops the slot: the same q and v biases."""
     tensors = {**prefixed(stock_attention(seed=1), "a."), **prefixed(stock_attention(kdim=5, vdim=6, seed=2), "b.")}
     save_file(tensors, tmp_path / "in.safetensors")
     strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "strip.safetensors", verify=True)
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "fold.safetensors")
     stripped, folded = load_file(tmp_path / "strip.safetensors"), load_file(tmp_path / "fold.safetensors")
-    assert stripped.keys() == folded.keys()
-    assert all(torch.equal(stripped[key], folded[key]) for key in stripped)
+    for prefix in ("a.", "b."):
+        b_q, b_k, b_v = folded[prefix + "in_proj_bias"].chunk(3)
+        assert torch.equal(stripped[prefix + "q_proj_bias"], b_q) and torch.equal(stripped[prefix + "v_proj_bias"], b_v)
+        assert torch.count_nonzero(b_k) == 0
+    assert stripped.keys() - folded.keys() == {"a.q_proj_bias", "a.v_proj_bias", "b.q_proj_bias", "b.v_proj_bias"}
 
 
 def test_strip_refuses_bias_k_and_points_to_fold(tmp_path):
@@ -164,7 +197,7 @@ def test_strip_refuses_zero_attn_modules(tmp_path):
         strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["a"])
     assert str(caught.value) == (
         f"{tmp_path / 'in.safetensors'}: strip cannot convert 'a' exactly: it is marked add_zero_attn, and the "
-        "zero key makes the key bias matter; use fold, which keeps it as k_proj_bias; nothing was written"
+        "zero key makes the key bias matter; use fold, which keeps stock's layout for it; nothing was written"
     )
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -184,7 +217,7 @@ def test_biasless_modules_pass_through_unchanged(tmp_path):
     assert [(module.name, module.changed, module.action) for module in report.modules] == [
         ("a", False, "nothing to do (no input bias)"),
         ("b", False, "nothing to do (no input bias)"),
-        ("c", True, "drop the key slice of in_proj_bias"),
+        ("c", True, "zero the key slot of in_proj_bias"),
     ]
 
 
@@ -199,13 +232,18 @@ def test_fold_value_bias_is_exact_in_eval(tmp_path, config):
                              fold_value_bias=True, verify=True)
     assert report.modules[0].action.endswith("fold the value bias into out_proj.bias (exact in eval only)")
     state = module_state(load_file(tmp_path / "out.safetensors"), "attn.")
-    assert "v_proj_bias" not in state and "in_proj_bias" not in state
-    torch.testing.assert_close(outputs(slim_from(state, **config), config), outputs(stock, config))
+    assert torch.count_nonzero(state["in_proj_bias"][8:]) == 0  # key and value slots are zero
+    assert_close_scaled(outputs(stock_from(state, **config), config), outputs(stock, config))
 
-    to_stock_checkpoint(tmp_path / "out.safetensors", tmp_path / "back.safetensors", verify=True)
-    back = module_state(load_file(tmp_path / "back.safetensors"), "attn.")
-    assert torch.count_nonzero(back["in_proj_bias"][16:]) == 0  # key and value slices are zero
-    torch.testing.assert_close(outputs(stock_from(back, **config), config), outputs(stock, config))
+    strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "stripped.safetensors", fold_value_bias=True,
+                     verify=True) if not config.get("add_bias_kv") else None
+    if not config.get("add_bias_kv"):  # strip's file: no value bias at all
+        stripped = module_state(load_file(tmp_path / "stripped.safetensors"), "attn.")
+        assert "v_proj_bias" not in stripped and "in_proj_bias" not in stripped
+        to_stock_checkpoint(tmp_path / "stripped.safetensors", tmp_path / "back.safetensors", verify=True)
+        back = module_state(load_file(tmp_path / "back.safetensors"), "attn.")
+        assert torch.count_nonzero(back["in_proj_bias"][8:]) == 0
+        assert_close_scaled(outputs(stock_from(back, **config), config), outputs(stock, config))
 
 
 def test_fold_value_bias_is_not_exact_in_training(tmp_path):
@@ -213,7 +251,7 @@ def test_fold_value_bias_is_not_exact_in_training(tmp_path):
     stock = stock_attention()
     save_file(prefixed(stock, "attn."), tmp_path / "in.safetensors")
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", fold_value_bias=True)
-    slim = slim_from(module_state(load_file(tmp_path / "out.safetensors"), "attn."))
+    slim = stock_from(module_state(load_file(tmp_path / "out.safetensors"), "attn."))
     stock.dropout = slim.dropout = 0.5
     stock.train(), slim.train()
     torch.manual_seed(0)
@@ -241,9 +279,11 @@ def test_fold_value_bias_on_an_already_slim_checkpoint(tmp_path):
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "slim.safetensors")
     report = fold_checkpoint(tmp_path / "slim.safetensors", tmp_path / "eval.safetensors",
                              fold_value_bias=True, verify=True)
-    assert report.modules[0].action == "fold the value bias into out_proj.bias (exact in eval only)"
+    assert report.modules[0].action == (
+        "zero the key slot of in_proj_bias, fold it into bias_k; fold the value bias into out_proj.bias (exact in eval only)"
+    )
     state = module_state(load_file(tmp_path / "eval.safetensors"), "attn.")
-    torch.testing.assert_close(outputs(slim_from(state, add_bias_kv=True), {}), outputs(stock, {}))
+    assert_close_scaled(outputs(stock_from(state, add_bias_kv=True), {}), outputs(stock, {}))
 
 
 # ------------------------------------------------------------------------------------ zero-attn
@@ -258,9 +298,10 @@ def test_zero_attn_globs_mark_every_matching_module(tmp_path):
     report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
                              zero_attn=["decoder.layers.*.self_attn"], verify=True)
     out = load_file(tmp_path / "out.safetensors")
-    assert sorted(key for key in out if key.endswith("k_proj_bias")) == [
-        f"decoder.layers.{layer}.self_attn.k_proj_bias" for layer in range(3)
-    ]
+    for layer in range(3):  # left as stock has them: their key bias matters
+        key = f"decoder.layers.{layer}.self_attn.in_proj_bias"
+        assert torch.equal(out[key], tensors[key])
+    assert torch.count_nonzero(out["encoder.layers.0.self_attn.in_proj_bias"][8:16]) == 0
     assert [module.zero_attn for module in report.modules] == [True, True, True, None]  # a stock module cannot say
     with safe_open(tmp_path / "out.safetensors", "pt") as handle:
         assert handle.metadata()["slim_mha.zero_attn_modules"] == ",".join(
@@ -280,7 +321,7 @@ def test_zero_attn_pattern_matching_nothing_is_an_error(tmp_path):
 
 def test_zero_attn_mark_contradicting_a_slim_checkpoint_is_an_error(tmp_path):
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "in.safetensors")
-    fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "slim.safetensors")
+    strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "slim.safetensors")
     with pytest.raises(ValueError) as caught:
         to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "out.safetensors", zero_attn=["attn"])
     assert str(caught.value) == (
@@ -333,8 +374,7 @@ def test_sharded_fold_keeps_shards_index_and_metadata(tmp_path):
                 "format": "pt", "slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": "fold"
             }
     assert index["weight_map"] == stored
-    assert "enc.attn.in_proj_bias" not in stored
-    assert stored["enc.attn.q_proj_bias"] == stored["enc.attn.v_proj_bias"] == "model-00002-of-00003.safetensors"
+    assert stored["enc.attn.in_proj_bias"] == "model-00002-of-00003.safetensors"
     assert stored["enc.attn.bias_k"] == "model-00001-of-00003.safetensors"
     out = load_sharded(out_dir)
     assert index["metadata"] == {
@@ -344,16 +384,15 @@ def test_sharded_fold_keeps_shards_index_and_metadata(tmp_path):
     assert out["head.weight"].dtype == torch.bfloat16 and torch.equal(out["head.weight"], tensors["head.weight"])
 
 
-def test_sharded_round_trip_and_index_path_as_source(tmp_path):
+def test_sharded_fold_through_the_index_path_loads_into_stock(tmp_path):
     tensors, source = _sharded_stock(tmp_path)
-    fold_checkpoint(source / "model.safetensors.index.json", tmp_path / "slim")
-    to_stock_checkpoint(tmp_path / "slim", tmp_path / "back", verify=True)
-    back = load_sharded(tmp_path / "back")
+    fold_checkpoint(source / "model.safetensors.index.json", tmp_path / "folded")
+    back = load_sharded(tmp_path / "folded")
     assert back.keys() == tensors.keys()
     for prefix, config in (("enc.attn.", {"add_bias_kv": True}), ("dec.attn.", {})):
         expected = stock_from(module_state(tensors, prefix), **config)
         actual = stock_from(module_state(back, prefix), **config)
-        torch.testing.assert_close(outputs(actual, config), outputs(expected, config))
+        assert_close_scaled(outputs(actual, config), outputs(expected, config))
 
 
 def test_directory_with_a_single_model_file(tmp_path):
@@ -377,7 +416,7 @@ def test_torch_state_dicts_and_their_wrappers(tmp_path, wrapper, suffix):
     report = fold_checkpoint(source, tmp_path / "out.safetensors", verify=True)
     assert report.notes == (() if wrapper is None else (f"read the state dict under '{wrapper}'; ignored: epoch",))
     out = load_file(tmp_path / "out.safetensors")
-    torch.testing.assert_close(outputs(slim_from(module_state(out, "attn."), add_bias_kv=True), {}), outputs(stock, {}))
+    assert_close_scaled(outputs(stock_from(module_state(out, "attn."), add_bias_kv=True), {}), outputs(stock, {}))
     with safe_open(tmp_path / "out.safetensors", "pt") as handle:
         assert handle.metadata()["format"] == "pt"
 
@@ -398,13 +437,12 @@ def test_torch_tensors_sharing_storage_are_written_separately(tmp_path):
 def test_verify_catches_a_wrong_fold_and_writes_nothing(tmp_path, monkeypatch):
     """The checker can fail: a fold that forgets to shift bias_k is caught."""
     import slim_mha.migration._plan as plan
-    from slim_mha.bias import SlimBiases
 
     def forgetful_fold(in_proj_bias, bias_k=None, *, add_zero_attn=False):
         b_q, _, b_v = in_proj_bias.chunk(3)
-        return SlimBiases(q_proj_bias=b_q, k_proj_bias=None, v_proj_bias=b_v, bias_k=bias_k)
+        return torch.cat([b_q, torch.zeros_like(b_q), b_v]), bias_k
 
-    monkeypatch.setattr(plan, "fold_key_bias", forgetful_fold)
+    monkeypatch.setattr(plan, "zero_key_bias", forgetful_fold)
     source = tmp_path / "in.safetensors"
     save_file(prefixed(stock_attention(add_bias_kv=True), "attn."), source)
     with pytest.raises(RuntimeError) as caught:
@@ -446,13 +484,13 @@ def test_inspect_reports_layout_key_bias_and_plans(tmp_path):
     summary = [(m.name, m.layout, m.key_bias, m.bias_kv, m.zero_attn, m.strip, m.fold) for m in report.modules]
     assert summary == [
         ("kv", "stock", "non-zero", True, None, "refuses: bias_k is present (use fold)",
-         "drop the key slice of in_proj_bias, fold it into bias_k"),
+         "zero the key slot of in_proj_bias, fold it into bias_k"),
         ("nobias", "no input bias", "absent", False, None, "nothing to do (no input bias)",
          "nothing to do (no input bias)"),
         ("za", "stock", "non-zero", False, True, "refuses: add_zero_attn (use fold)",
-         "split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)"),
+         "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"),
         ("zero_key", "stock", "zero", False, None, "drop the key slice of in_proj_bias",
-         "drop the key slice of in_proj_bias"),
+         "zero the key slot of in_proj_bias"),
     ]  # None: a stock checkpoint cannot record add_zero_attn, and only "za" was marked
     assert report.modules[0].key_bias_max == pytest.approx(float(tensors["kv.in_proj_bias"][8:16].abs().max()))
     assert report.tensors == len(tensors)
@@ -460,8 +498,8 @@ def test_inspect_reports_layout_key_bias_and_plans(tmp_path):
 
 
 def test_inspect_of_slim_and_kdim_modules(tmp_path):
-    save_file(prefixed(stock_attention(kdim=5, vdim=6, add_zero_attn=True), "attn."), tmp_path / "in.safetensors")
-    fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "slim.safetensors", zero_attn=["attn"], fold_value_bias=False)
+    save_file(key_bias_free(stock_attention(kdim=5, vdim=6, add_zero_attn=True), "attn.", add_zero_attn=True),
+              tmp_path / "slim.safetensors", metadata={"slim_mha.format_version": "1"})
     text = format_report(inspect_checkpoint(tmp_path / "slim.safetensors"))
     assert text.splitlines()[2:] == [
         "attn: slim, embed_dim=8, kdim=5, vdim=6, float32, key bias non-zero (max |b_k| "
@@ -470,21 +508,22 @@ def test_inspect_of_slim_and_kdim_modules(tmp_path):
         "  shapes:   q_proj_weight [8, 8], k_proj_weight [8, 5], v_proj_weight [8, 6], q_proj_bias [8], "
         "k_proj_bias [8], v_proj_bias [8], out_proj.weight [8, 8], out_proj.bias [8]",
         "  strip:    nothing to do (already slim)",
-        "  fold:     nothing to do (already slim)",
+        "  fold:     pack the input biases into in_proj_bias with the kept k_proj_bias",
         "  to-stock: pack the input biases into in_proj_bias with the kept k_proj_bias",
     ]
 
 
 def test_a_bare_module_checkpoint_has_the_root_prefix(tmp_path):
-    stock = stock_attention(add_zero_attn=True)
+    stock = stock_attention(add_bias_kv=True)
     save_file(prefixed(stock, ""), tmp_path / "mha.safetensors")
-    report = fold_checkpoint(tmp_path / "mha.safetensors", tmp_path / "slim.safetensors", zero_attn=["<root>"],
-                             verify=True)
+    report = inspect_checkpoint(tmp_path / "mha.safetensors", zero_attn=["<root>"])
     assert [(module.name, module.zero_attn) for module in report.modules] == [("<root>", True)]
-    state = load_file(tmp_path / "slim.safetensors")
-    assert "k_proj_bias" in state
-    config = {"add_zero_attn": True}
-    torch.testing.assert_close(outputs(slim_from(state, **config), config), outputs(stock, config))
+    report = fold_checkpoint(tmp_path / "mha.safetensors", tmp_path / "folded.safetensors", verify=True)
+    assert [module.name for module in report.modules] == ["<root>"]
+    state = load_file(tmp_path / "folded.safetensors")
+    assert state.keys() == stock.state_dict().keys()
+    config = {"add_bias_kv": True}
+    assert_close_scaled(outputs(stock_from(state, **config), config), outputs(stock, config))
 
 
 @reads_pickles
@@ -493,11 +532,12 @@ def test_legacy_torch_serialization_is_read_too(tmp_path):
     torch.save(prefixed(stock, "attn."), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     fold_checkpoint(tmp_path / "legacy.pt", tmp_path / "out.safetensors", verify=True)
     state = module_state(load_file(tmp_path / "out.safetensors"), "attn.")
-    torch.testing.assert_close(outputs(slim_from(state), {}), outputs(stock, {}))
+    assert_close_scaled(outputs(stock_from(state), {}), outputs(stock, {}))
 
 
 def test_randomized_sweep_of_configurations_and_dtypes(tmp_path):
-    """One seeded sweep over the whole matrix: fold (maybe with the value bias) and back, verified."""
+    """One seeded sweep over the whole matrix: strip where exact (and back), else fold, maybe with the value
+    bias, verified; every output loads into stock in the source's dtype."""
     rng = torch.Generator().manual_seed(3)
 
     def pick(options):
@@ -519,15 +559,18 @@ def test_randomized_sweep_of_configurations_and_dtypes(tmp_path):
         source = tmp_path / f"case{case}.safetensors"
         save_file(prefixed(stock, "attn.", dtype), source)
         marks = zero_attn_marks(config)
-        if not config["bias"]:
+        strips = not (config["add_bias_kv"] or config["add_zero_attn"])
+        mode = strip_checkpoint if strips else fold_checkpoint
+        if not config["bias"] or (config["add_zero_attn"] and not fold_value):
             with pytest.raises(ValueError, match="nothing to do"):
-                fold_checkpoint(source, tmp_path / f"slim{case}.safetensors", zero_attn=marks)
+                mode(source, tmp_path / f"slim{case}.safetensors", zero_attn=marks)
             continue
-        fold_checkpoint(source, tmp_path / f"slim{case}.safetensors", zero_attn=marks,
-                        fold_value_bias=fold_value, verify=True)
+        mode(source, tmp_path / f"slim{case}.safetensors", zero_attn=marks, fold_value_bias=fold_value, verify=True)
         folded_value += fold_value
-        to_stock_checkpoint(tmp_path / f"slim{case}.safetensors", tmp_path / f"back{case}.safetensors",
-                            zero_attn=marks, verify=True)
-        back = load_file(tmp_path / f"back{case}.safetensors")
+        back = tmp_path / f"slim{case}.safetensors"
+        if strips:
+            to_stock_checkpoint(back, tmp_path / f"back{case}.safetensors", zero_attn=marks, verify=True)
+            back = tmp_path / f"back{case}.safetensors"
+        back = load_file(back)
         assert {key: value.dtype for key, value in back.items()} == {f"attn.{key}": dtype for key in stock.state_dict()}
     assert folded_value >= 3  # the seed covers the value fold too

@@ -19,7 +19,7 @@ import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import default_sigint, old_output, run_cli
+from _migration_helpers import default_sigint, old_output, private_ledger, run_cli  # noqa: F401 (private_ledger: autouse)
 from slim_mha.migration.report import format_size
 
 PROG = "slim-mha-migrate"
@@ -49,18 +49,18 @@ def test_fold_prints_what_it_did(tmp_path, stock_file, capsys):
     assert (code, err) == (0, "")
     assert out.splitlines() == [
         f"fold {stock_file} -> {out_path}: 2 of 2 attention modules changed",
-        "  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k",
-        "  enc.attn: drop the key slice of in_proj_bias",
-        f"wrote {out_path} (1 shard, 12 tensors, {format_size(out_path.stat().st_size)})",  # its size on disk
+        "  dec.attn: zero the key slot of in_proj_bias, fold it into bias_k",
+        "  enc.attn: zero the key slot of in_proj_bias",
+        f"wrote {out_path} (1 shard, 10 tensors, {format_size(out_path.stat().st_size)})",  # its size on disk
     ]
-    assert "dec.attn.q_proj_bias" in load_file(out_path)
+    assert load_file(out_path)["dec.attn.in_proj_bias"][8:16].count_nonzero() == 0
 
 
 def test_verify_and_dry_run(tmp_path, stock_file, capsys):
     code, out, err = run_cli(["fold", stock_file, tmp_path / "slim.safetensors", "--verify", "--dry-run"], capsys)
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[1].startswith("  dec.attn: drop the key slice of in_proj_bias, fold it into bias_k [verified, error ")
+    assert lines[1].startswith("  dec.attn: zero the key slot of in_proj_bias, fold it into bias_k [verified, error ")
     assert lines[3].startswith("verified 2 modules: largest relative output error ")
     assert lines[4] == (
         "verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
@@ -69,7 +69,7 @@ def test_verify_and_dry_run(tmp_path, stock_file, capsys):
     assert not (tmp_path / "slim.safetensors").exists()
     run_cli(["fold", stock_file, tmp_path / "slim.safetensors"], capsys)  # the size planned is the size written
     size = format_size((tmp_path / "slim.safetensors").stat().st_size)
-    assert lines[5] == f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 12 tensors, {size}); nothing was written"
+    assert lines[5] == f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 10 tensors, {size}); nothing was written"
 
 
 def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
@@ -82,20 +82,21 @@ def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
     tensors = {**prefixed(stock_attention(add_zero_attn=True), "dec.layers.0.attn."),
                **prefixed(stock_attention(seed=3), "enc.attn.")}
     save_file(tensors, tmp_path / "in.safetensors")
-    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
+    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "folded.safetensors",
                           "--zero-attn", "dec.layers.*.attn"], capsys)
     assert (code, err) == (0, "")
-    assert "  dec.layers.0.attn: split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)" in out
+    assert "  dec.layers.0.attn: nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)" in out
+    assert "  enc.attn: zero the key slot of in_proj_bias" in out
     code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "eval.safetensors",
                           "--zero-attn", "dec.layers.*.attn", "--fold-value-bias"], capsys)
     assert code == 1
     assert err.startswith(f"{PROG} fold: error: {tmp_path / 'in.safetensors'}: fold cannot convert "
                           "'dec.layers.0.attn' exactly: it is marked add_zero_attn, and the zero value token")
-    code, out, err = run_cli(["to-stock", tmp_path / "slim.safetensors", tmp_path / "back.safetensors", "--verify"], capsys)
-    assert (code, err) == (0, "")
-    assert out.splitlines()[1].startswith(
-        "  dec.layers.0.attn: pack the input biases into in_proj_bias with the kept k_proj_bias [verified, error "
-    )
+    code, out, err = run_cli(["strip", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
+                              "--zero-attn", "dec.layers.*.attn"], capsys)
+    assert code == 1 and "use fold, which keeps stock's layout for it" in err
+    code, out, err = run_cli(["to-stock", tmp_path / "folded.safetensors", tmp_path / "back.safetensors"], capsys)
+    assert code == 1 and "all 2 attention modules are already in the stock layout" in err
 
 
 def test_inspect_output(tmp_path, stock_file, capsys):
@@ -110,7 +111,7 @@ def test_inspect_output(tmp_path, stock_file, capsys):
         "  shapes:   in_proj_weight [24, 8], in_proj_bias [24], bias_k [1, 1, 8], bias_v [1, 1, 8], "
         "out_proj.weight [8, 8], out_proj.bias [8]",
         "  strip:    refuses: bias_k is present (use fold)",
-        "  fold:     drop the key slice of in_proj_bias, fold it into bias_k",
+        "  fold:     zero the key slot of in_proj_bias, fold it into bias_k",
         "  to-stock: nothing to do (already stock)",
     ]
 
@@ -308,7 +309,7 @@ def test_python_dash_m_migration(tmp_path, stock_file):
     assert result.stdout.splitlines()[0] == (
         f"fold {stock_file} -> {tmp_path / 'slim.safetensors'}: 2 of 2 attention modules changed"
     )
-    assert "dec.attn.q_proj_bias" in load_file(tmp_path / "slim.safetensors")
+    assert load_file(tmp_path / "slim.safetensors")["dec.attn.in_proj_bias"][8:16].count_nonzero() == 0
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
@@ -419,8 +420,8 @@ def test_ctrl_c_while_python_shuts_down_after_the_run_changes_nothing(tmp_path):
     result = _interrupted_at(_HOLD_SHUTDOWN, command, work)
     assert (result.returncode, result.stderr) == (0, "")
     size = format_size((work / "out.safetensors").stat().st_size)
-    assert result.stdout.splitlines()[-1] == f"wrote out.safetensors (1 shard, 5 tensors, {size})"
-    assert "attn.q_proj_bias" in load_file(work / "out.safetensors")
+    assert result.stdout.splitlines()[-1] == f"wrote out.safetensors (1 shard, 4 tensors, {size})"
+    assert load_file(work / "out.safetensors")["attn.in_proj_bias"][8:16].count_nonzero() == 0
 
 
 # ------------------------------------------------------------------------------------ truthful messages
@@ -461,7 +462,7 @@ def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, 
         if point == "after-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
     code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, out) == (130, "")
     assert err == f"{PROG} fold: interrupted after {tmp_path / 'out.safetensors'} was written completely\n"
@@ -475,7 +476,7 @@ def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock
         if point == "before-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", interrupted_at)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert code == 130
     out_path = tmp_path / "out.safetensors"
@@ -509,7 +510,7 @@ def test_stdout_on_a_full_disk_is_one_line(tmp_path, stock_file):
         "python -m slim_mha.migration fold: error: cannot print the report to stdout (No space left on device); "
         f"{tmp_path / 'out.safetensors'} was written completely\n"
     )
-    assert "dec.attn.q_proj_bias" in load_file(tmp_path / "out.safetensors")
+    assert load_file(tmp_path / "out.safetensors")["dec.attn.in_proj_bias"][8:16].count_nonzero() == 0
 
 
 @pytest.mark.parametrize("command", [["inspect", "{src}"], ["fold", "{src}", "{tmp}/out.safetensors", "--verify"]],
@@ -519,9 +520,5 @@ def test_a_bad_environment_gives_one_line_not_a_traceback(tmp_path, stock_file, 
     argv = [arg.format(src=stock_file, tmp=tmp_path) for arg in command]
     result = subprocess.run([sys.executable, "-m", "slim_mha.migration", *argv], capture_output=True, text=True,
                             env=environment, timeout=120)
-    assert "Traceback" not in result.stderr
-    if result.returncode:  # fold --verify runs attention, which reads the variable: one line, naming it
-        assert result.stderr.count("\n") == 1 and "SLIM_MHA_CHECK_EQUIVARIANCE" in result.stderr
-        assert not (tmp_path / "out.safetensors").exists()
-    else:
-        assert result.stderr == "" and command[0] == "inspect"
+    # --verify builds torch's stock class only, so the variable (read by slim attention) plays no part.
+    assert (result.returncode, result.stderr) == (0, "")

@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import slim_mha
+from _reference import assert_close_scaled
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
 from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
 from slim_mha.migration.cli import main
 from _migration_checkpoints import STOCK_MHA, prefixed, randomize, save_sharded, stock_attention, tree_digest
@@ -192,21 +194,20 @@ class _Model(nn.Module):
         self.head = nn.Linear(8, 3)
 
 
-def test_a_fold_value_bias_checkpoint_loads_as_the_readme_says(tmp_path):
-    """The README: build the model with slim modules, fold its value biases in eval mode, then load."""
+def test_a_fold_value_bias_checkpoint_loads_into_stock_and_slim_models(tmp_path):
+    """fold --fold-value-bias writes stock's layout with zero key and value slots: a stock model and a
+    converted one both load it (strict) and compute the original model's outputs in eval mode."""
     stock = randomize(_Model(), seed=4).eval()
     save_file({key: value.contiguous() for key, value in stock.state_dict().items()}, tmp_path / "stock.safetensors")
     fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "eval.safetensors", fold_value_bias=True)
     state = load_file(tmp_path / "eval.safetensors")
+    assert state.keys() == stock.state_dict().keys()
 
-    plain = slim_mha.convert(_Model())
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "attn.v_proj_bias"'):
-        plain.load_state_dict(state)  # an unfolded slim model still has a value bias to load
-
-    model = slim_mha.fold_value_bias(slim_mha.convert(_Model()).eval())
-    model.load_state_dict(state)  # strict
     query = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, _ = stock.attn(query, query, query)
-        actual, _ = model.attn(query, query, query)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)  # float32
+    for model in (_Model(), slim_mha.convert(_Model())):
+        model.load_state_dict(state)  # strict
+        with torch.no_grad():
+            actual, _ = model.eval().attn(query, query, query)
+        assert_close_scaled(actual, expected, type(model.attn).__name__)

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, to_stock_checkpoint
+from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from slim_mha.migration._destination import _resolved
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import reads_pickles, refusal, run_cli
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "slim-mha-migrate"
@@ -99,7 +99,7 @@ def test_a_shard_linking_outside_src_is_refused(tmp_path):
     )
     assert not (tmp_path / "out").exists()
     fold_checkpoint(model, tmp_path / "out", follow_outside_links=True)
-    assert "enc.attn.q_proj_bias" in load_file(tmp_path / "out" / shard.name)
+    assert "enc.attn.in_proj_bias" in load_file(tmp_path / "out" / shard.name)
 
 
 def test_links_inside_src_are_followed(tmp_path):
@@ -175,7 +175,7 @@ def test_nothing_is_readable_by_others_while_it_is_written(tmp_path, umask, monk
             (staging,) = [tmp_path / name for name in _litter(tmp_path)]
             seen.update(_modes(staging))
 
-    monkeypatch.setattr(migrate_module, "_pause_for_tests", look)
+    monkeypatch.setattr(migrate_module, "pause_for_tests", look)
     fold_checkpoint(model, tmp_path / "out")
     assert seen and all(mode & 0o077 == 0 for mode in seen.values()), seen
 
@@ -385,9 +385,9 @@ def _flip_after_writing(monkeypatch, key: str) -> None:
     monkeypatch.setattr(migrate_module, "write_safetensors", faulty)
 
 
-# Every tensor of the output: copied (weights, out_proj) and converted (q/v biases) alike.
+# Every tensor of the output: copied (weights, out_proj) and converted (in_proj_bias) alike.
 _KEYS = sorted(f"{prefix}.attn.{local}" for prefix in ("dec", "enc") for local in (
-    "in_proj_weight", "q_proj_bias", "v_proj_bias", "out_proj.weight", "out_proj.bias"))
+    "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"))
 
 
 @pytest.mark.parametrize("key", _KEYS)
@@ -420,24 +420,34 @@ def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
     assert "verified 3 written files by reading them back: every tensor matches the source or its conversion" in out
     assert ("verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
             "was built with it, rerun with --zero-attn (see inspect)") in out
-    code, out, _ = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*"], capsys)
-    assert code == 0 and "verify assumed" not in out
+    code, out, err = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*.attn"], capsys)
+    assert code == 1 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
 
 
-# ------------------------------------------------------------------------ torch < 2.6
+# ------------------------------------------------------------------------ torch < 2.10
 
 
 def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
     pickled = tmp_path / "stock.pt"
     torch.save(prefixed(stock_attention(), "attn."), pickled)
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "stock.safetensors")
-    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.5.1+cpu")
+    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.9.1+cpu")
     assert refusal(ValueError, fold_checkpoint, pickled, tmp_path / "out.safetensors") == (
-        f"{pickled}: needs torch ≥ 2.6 to read .pt safely; convert with safetensors or upgrade"
+        f"{pickled}: refused: reading a pickle (.pt, .bin...) needs a torch release >= 2.10.0, whose weights-only "
+        "unpickler a crafted file cannot use to run code, and this is torch 2.9.1+cpu; upgrade torch, or save "
+        "the weights as safetensors"
     )
     fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "out.safetensors")
-    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.6.0")
-    assert checkpoint_module.torch_reads_pickles_safely()
+
+
+@pytest.mark.parametrize(("version", "safe"), [
+    ("2.5.1", False), ("2.6.0", False), ("2.9.1+cu121", False), ("2.10.0.dev20251001", False),
+    ("2.10.0a0+git1234", False), ("2.10.0rc1", False), ("2.6.0.dev20241112", False),
+    ("2.10.0", True), ("2.10.0+cpu", True), ("2.13.0", True), ("3.0.0", True),
+])
+def test_pickles_need_a_torch_release_of_at_least_2_10(version, safe):
+    """Pre-releases and dev builds of a fixed version may predate the fix: only a release counts."""
+    assert checkpoint_module.torch_reads_pickles_safely(version) is safe
 
 
 # ------------------------------------------------------------------------ messages
@@ -476,7 +486,7 @@ def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path, key, 
 def test_to_stock_reports_the_size_on_disk(tmp_path):
     source = tmp_path / "stock.safetensors"
     save_file(prefixed(stock_attention(), "attn."), source)
-    fold_checkpoint(source, tmp_path / "slim.safetensors")
+    strip_checkpoint(source, tmp_path / "slim.safetensors")
     report = to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "back.safetensors")
     assert report.output_bytes == (tmp_path / "back.safetensors").stat().st_size
 

@@ -20,9 +20,11 @@ import slim_mha
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._plan as plan_module
 from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import FORMAT_VERSION
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
 from _migration_checkpoints import (
+    key_bias_free,
     attention_inputs,
     load_sharded,
     module_state,
@@ -32,7 +34,7 @@ from _migration_checkpoints import (
     stock_attention,
     tree_digest,
 )
-from _migration_helpers import reads_pickles, refusal, run_cli
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"
@@ -54,10 +56,11 @@ def stock_outputs(module: nn.Module) -> torch.Tensor:
 # ---------------------------------------------------------------------------------- linear cost
 
 
-def _many_modules(directory, modules: int):
+def _many_modules(directory, modules: int, *, key_bias_free_layout: bool = False):
     tensors = {}
     for number in range(modules):
-        tensors.update(prefixed(stock_attention(add_bias_kv=number % 2 == 1, seed=number), f"layers.{number}.attn."))
+        module, prefix = stock_attention(add_bias_kv=number % 2 == 1, seed=number), f"layers.{number}.attn."
+        tensors.update(key_bias_free(module, prefix) if key_bias_free_layout else prefixed(module, prefix))
         tensors[f"layers.{number}.norm.weight"] = torch.randn(8)
     keys = list(tensors)
     return save_sharded(tensors, directory, [keys[: len(keys) // 2], keys[len(keys) // 2 :]])
@@ -68,12 +71,12 @@ def _count_reading(monkeypatch) -> tuple[Counter, Counter]:
     headers, reads = Counter(), Counter()
     real_header, real_open, real_read = checkpoint_module._read_header, checkpoint_module.safe_open, TensorRecord.read
 
-    def counted_header(path):
-        headers[("parse", path.name)] += 1
-        return real_header(path)
+    def counted_header(opened):
+        headers[("parse", opened.path.name)] += 1
+        return real_header(opened)
 
-    def counted_open(path, *args, **kwargs):
-        headers[("safe_open", os.path.basename(path))] += 1
+    def counted_open(path, *args, **kwargs):  # given the opened file's /proc/self/fd path
+        headers[("safe_open", os.path.basename(os.path.realpath(path)))] += 1
         return real_open(path, *args, **kwargs)
 
     def counted_read(record):
@@ -92,10 +95,7 @@ def test_each_header_is_parsed_once_and_each_tensor_read_once(tmp_path, monkeypa
     the counts here would grow with the number of modules."""
     counts = []
     for modules in (2, 12):
-        source = _many_modules(tmp_path / f"stock{modules}", modules)
-        if operation == "to_stock_verify":
-            fold_checkpoint(source, tmp_path / f"slim{modules}")
-            source = tmp_path / f"slim{modules}"
+        source = _many_modules(tmp_path / f"stock{modules}", modules, key_bias_free_layout=operation == "to_stock_verify")
         headers, reads = _count_reading(monkeypatch)
         if operation == "inspect":
             inspect_checkpoint(source)
@@ -147,49 +147,40 @@ def test_a_file_that_shrank_after_opening_is_reported(tmp_path):
 def zero_attn_stock(tmp_path):
     stock = stock_attention(add_zero_attn=True, seed=3)
     path = tmp_path / "stock.safetensors"
-    save_file({**prefixed(stock, "attn."), "other.weight": torch.randn(4)}, path)
+    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=6), "plain."), "other.weight": torch.randn(4)},
+              path)
     return stock, path
 
 
 def test_zero_attn_mark_survives_a_round_trip_api(tmp_path, zero_attn_stock):
-    """fold --zero-attn -> to-stock -> fold (no flag) keeps the key bias, and verify compares under the mark."""
+    """fold --zero-attn records the mark; every later run (fold, strip, inspect) reads it back."""
     stock, source = zero_attn_stock
-    fold_checkpoint(source, tmp_path / "slim.safetensors", zero_attn=["attn"], verify=True)
-    back = to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "back.safetensors", verify=True)
-    assert [module.zero_attn for module in back.modules] == [True]
-    with safe_open(tmp_path / "back.safetensors", "pt") as handle:
+    fold_checkpoint(source, tmp_path / "folded.safetensors", zero_attn=["attn"], verify=True)
+    with safe_open(tmp_path / "folded.safetensors", "pt") as handle:
         assert handle.metadata()["slim_mha.zero_attn_modules"] == "attn"
-    assert inspect_checkpoint(tmp_path / "back.safetensors").modules[0].fold == (
-        "split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn)"
+    report = inspect_checkpoint(tmp_path / "folded.safetensors")
+    assert [(module.name, module.zero_attn) for module in report.modules] == [("attn", True), ("plain", False)]
+    assert report.modules[0].fold == (
+        "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"
     )
-
-    again = fold_checkpoint(tmp_path / "back.safetensors", tmp_path / "again.safetensors", verify=True)
-    assert again.modules[0].zero_attn and again.modules[0].verify_error < 1e-6
+    again = fold_checkpoint(tmp_path / "folded.safetensors", tmp_path / "again.safetensors", verify=True)
+    assert again.modules[0].zero_attn and not again.modules[0].changed
     out = load_file(tmp_path / "again.safetensors")
-    torch.testing.assert_close(out["attn.k_proj_bias"], stock.in_proj_bias.detach()[8:16], rtol=0, atol=0)
-    torch.testing.assert_close(
-        slim_outputs(module_state(out, "attn."), add_zero_attn=True), stock_outputs(stock), rtol=1e-6, atol=1e-6
-    )
+    assert torch.equal(out["attn.in_proj_bias"], stock.in_proj_bias.detach())
     with pytest.raises(ValueError, match="strip cannot convert 'attn' exactly: it is marked add_zero_attn"):
-        strip_checkpoint(tmp_path / "back.safetensors", tmp_path / "stripped.safetensors")
+        strip_checkpoint(tmp_path / "folded.safetensors", tmp_path / "stripped.safetensors")
 
 
 def test_zero_attn_mark_survives_a_round_trip_cli(tmp_path, zero_attn_stock, capsys):
     stock, source = zero_attn_stock
-    slim, back, again = tmp_path / "slim.safetensors", tmp_path / "back.safetensors", tmp_path / "again.safetensors"
-    assert run_cli(["fold", source, slim, "--zero-attn", "attn", "--verify"], capsys)[0] == 0
-    assert run_cli(["to-stock", slim, back, "--verify"], capsys)[0] == 0
-    code, out, err = run_cli(["fold", back, again, "--verify"], capsys)
+    folded, again = tmp_path / "folded.safetensors", tmp_path / "again.safetensors"
+    assert run_cli(["fold", source, folded, "--zero-attn", "attn", "--verify"], capsys)[0] == 0
+    code, out, err = run_cli(["fold", folded, again, "--verify"], capsys)
     assert (code, err) == (0, "")
-    assert out.splitlines()[1].startswith(
-        "  attn: split in_proj_bias, keep the key bias as k_proj_bias (add_zero_attn) [verified, error "
-    )
-    code, out, _ = run_cli(["inspect", back], capsys)
-    assert "add_zero_attn yes" in out.splitlines()[2]
-    torch.testing.assert_close(
-        slim_outputs(module_state(load_file(again), "attn."), add_zero_attn=True), stock_outputs(stock),
-        rtol=1e-6, atol=1e-6,
-    )
+    assert out.splitlines()[2].startswith("  plain: zero the key slot of in_proj_bias [verified, error ")
+    code, out, _ = run_cli(["inspect", folded], capsys)
+    assert any(line.startswith("attn: ") and line.endswith("add_zero_attn yes") for line in out.splitlines())
+    assert torch.equal(load_file(again)["attn.in_proj_bias"], stock.in_proj_bias.detach())
 
 
 def test_sharded_round_trip_reads_the_mark_from_the_index_and_shards(tmp_path):
@@ -197,36 +188,34 @@ def test_sharded_round_trip_reads_the_mark_from_the_index_and_shards(tmp_path):
     tensors = {**prefixed(stock, "dec.attn."), **prefixed(stock_attention(seed=5), "enc.attn.")}
     keys = sorted(tensors)
     source = save_sharded(tensors, tmp_path / "stock", [keys[: len(keys) // 2], keys[len(keys) // 2 :]])
-    fold_checkpoint(source, tmp_path / "slim", zero_attn=["dec.*"])
-    to_stock_checkpoint(tmp_path / "slim", tmp_path / "back")
-    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    fold_checkpoint(source, tmp_path / "folded", zero_attn=["dec.*"])
+    index = json.loads((tmp_path / "folded" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["slim_mha.zero_attn_modules"] == "dec.attn"
-    report = fold_checkpoint(tmp_path / "back", tmp_path / "again", verify=True)
+    report = fold_checkpoint(tmp_path / "folded", tmp_path / "again", verify=True)
     assert [(module.name, module.zero_attn) for module in report.modules] == [("dec.attn", True), ("enc.attn", False)]
     out = load_sharded(tmp_path / "again")
-    assert "dec.attn.k_proj_bias" in out and "enc.attn.k_proj_bias" not in out
+    assert torch.equal(out["dec.attn.in_proj_bias"], stock.in_proj_bias.detach())
 
 
 def test_verify_fails_when_a_recorded_key_bias_would_be_dropped(tmp_path, zero_attn_stock, monkeypatch):
-    """The checker can fail: a fold that drops the kept key bias of a recorded module is caught."""
+    """The checker can fail: a fold that zeroes the key slot of a recorded add_zero_attn module is caught."""
     _, source = zero_attn_stock
-    fold_checkpoint(source, tmp_path / "slim.safetensors", zero_attn=["attn"])
-    to_stock_checkpoint(tmp_path / "slim.safetensors", tmp_path / "back.safetensors")
-    real_fold = plan_module.fold_key_bias
+    fold_checkpoint(source, tmp_path / "folded.safetensors", zero_attn=["attn"])
+    real_fold = plan_module.zero_key_bias
 
     def losing_fold(in_proj_bias, bias_k=None, *, add_zero_attn=False):
-        biases = real_fold(in_proj_bias, bias_k, add_zero_attn=add_zero_attn)
-        return biases._replace(k_proj_bias=torch.zeros_like(biases.k_proj_bias))  # the kept b_k is lost
+        return real_fold(in_proj_bias, bias_k)  # the mark is ignored: b_k is zeroed where it matters
 
-    monkeypatch.setattr(plan_module, "fold_key_bias", losing_fold)
+    monkeypatch.setattr(plan_module, "zero_key_bias", losing_fold)
+    monkeypatch.setattr(plan_module, "keeps_key_bias", lambda *, add_zero_attn: False)
     with pytest.raises(RuntimeError, match="verify=True failed for 'attn'"):
-        fold_checkpoint(tmp_path / "back.safetensors", tmp_path / "again.safetensors", verify=True)
+        fold_checkpoint(tmp_path / "folded.safetensors", tmp_path / "again.safetensors", verify=True)
     assert not (tmp_path / "again.safetensors").exists()
 
 
 def test_a_folded_value_bias_is_noted_on_every_later_run(tmp_path):
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "stock.safetensors")
-    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "eval.safetensors", fold_value_bias=True)
+    strip_checkpoint(tmp_path / "stock.safetensors", tmp_path / "eval.safetensors", fold_value_bias=True)
     back = to_stock_checkpoint(tmp_path / "eval.safetensors", tmp_path / "back.safetensors")
     note = (
         "an earlier run folded the value bias into out_proj.bias (slim_mha.value_bias_folded): these weights "
@@ -256,7 +245,7 @@ def test_a_newer_or_edited_format_version_is_refused(tmp_path):
     path = _with_metadata(tmp_path, {"slim_mha.format_version": "99"})
     assert refusal(ValueError, inspect_checkpoint, path) == (
         f"{path}: written by a newer slim_mha (format version 99; this one reads up to "
-        f"{SlimMultiheadAttention._version}); upgrade slim_mha to convert it"
+        f"{FORMAT_VERSION}); upgrade slim_mha to convert it"
     )
     path = _with_metadata(tmp_path, {"slim_mha.format_version": "one"})
     with pytest.raises(ValueError, match="metadata slim_mha.format_version is 'one', not a number"):
@@ -505,8 +494,8 @@ def test_names_with_control_characters_are_shown_escaped(tmp_path, capsys):
     assert not any(char in out.replace("\n", "") for char in "\x1b\r\t")
     assert out.splitlines()[1].startswith("enc\\x1b[2K\\r\\n.attn: stock, embed_dim=8")
     code, out, err = run_cli(["fold", path, tmp_path / "slim.safetensors"], capsys)
-    assert code == 0 and "  enc\\x1b[2K\\r\\n.attn: drop the key slice of in_proj_bias" in out.splitlines()
-    assert hostile + ".q_proj_bias" in load_file(tmp_path / "slim.safetensors")  # the data keeps the real name
+    assert code == 0 and "  enc\\x1b[2K\\r\\n.attn: zero the key slot of in_proj_bias" in out.splitlines()
+    assert hostile + ".in_proj_bias" in load_file(tmp_path / "slim.safetensors")  # the data keeps the real name
 
     odd = tmp_path / "odd.safetensors"
     save_file({**prefixed(stock_attention(), "attn."), "x\x1b[2K.bias_k": torch.zeros(1, 1, 8)}, odd)
@@ -544,8 +533,8 @@ def test_inspect_and_fold_agree_on_a_checkpoint_without_biases(tmp_path, capsys)
     mixed = tmp_path / "mixed.safetensors"
     save_file({**prefixed(stock_attention(bias=False), "a."), **prefixed(stock_attention(bias=False), "b."),
                **prefixed(stock_attention(), "c.")}, mixed)
-    fold_checkpoint(mixed, tmp_path / "slim.safetensors")
-    assert refusal(ValueError, fold_checkpoint, tmp_path / "slim.safetensors", tmp_path / "again.safetensors") == (
+    strip_checkpoint(mixed, tmp_path / "slim.safetensors")
+    assert refusal(ValueError, strip_checkpoint, tmp_path / "slim.safetensors", tmp_path / "again.safetensors") == (
         f"{tmp_path / 'slim.safetensors'}: nothing to do: of its 3 attention modules, 1 is already in the slim "
         "layout and 2 have no input biases (bias=False); nothing was written"
     )

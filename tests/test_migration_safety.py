@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import slim_mha.migration._staging as staging_module
 from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import default_sigint, old_output, refusal
+from _migration_helpers import OURS, default_sigint, left_by_a_killed_run, old_output, private_ledger, refusal  # noqa: F401 (private_ledger: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -95,7 +95,7 @@ def test_force_replaces_a_previous_output_sharded_differently(tmp_path, sharded)
     """The shards that the folder's own index lists are a previous output's: they may go."""
     out = tmp_path / "out"
     tensors = _tensors()
-    save_sharded(tensors, out, [list(tensors)])  # one shard, with a name this run does not write
+    save_sharded(tensors, out, [list(tensors)], metadata=OURS)  # one shard, with a name this run does not write
     (out / "model-00001-of-00001.safetensors").rename(out / "old-shard.safetensors")
     index = (out / "model.safetensors.index.json").read_text().replace("model-00001-of-00001", "old-shard")
     (out / "model.safetensors.index.json").write_text(index)
@@ -132,11 +132,12 @@ def test_symlinked_shards_protect_their_targets(tmp_path, sharded):
     links.mkdir()
     for name in os.listdir(sharded):
         os.symlink(sharded / name, links / name)
-    shard = links / "model-00001-of-00003.safetensors"
+    index = links / "model.safetensors.index.json"  # opened first, and judged before a byte is read
     _force_refused(links, sharded, (
-        f"{shard}: a symbolic link that leads outside SRC, to {sharded / shard.name}; its data would be copied "
+        f"{index}: a symbolic link that leads outside SRC, to {sharded / index.name}; its data would be copied "
         "into DST: copy the file into SRC, or pass follow_outside_links=True if you trust where it leads"
     ))
+    shard = links / "model-00001-of-00003.safetensors"
     message = (
         f"{sharded}: DST would overwrite the input {shard} (through its link, {sharded / shard.name}); "
         "write to another path"
@@ -251,6 +252,7 @@ def test_next_run_restores_a_destination_moved_aside_by_a_killed_run(tmp_path, s
     old = {Path(path).name: digest for path, digest in tree_digest(out).items()}
     aside = tmp_path / ".out.slim-mha-retired-0123abcd"
     out.rename(aside)
+    left_by_a_killed_run(aside)
     with pytest.raises(FileExistsError, match=re.escape(f"{out}: already exists; pass force=True to replace it")):
         fold_checkpoint(sharded, out)  # restored first, so it is protected like any existing DST
     assert {Path(path).name: digest for path, digest in tree_digest(out).items()} == old
@@ -266,6 +268,11 @@ def test_litter_is_removed_only_when_no_live_run_holds_it(tmp_path, sharded):
     strange = tmp_path / ".out.slim-mha-staging-00000003"  # our name, but holds what we never write
     strange.mkdir()
     (strange / "sub").mkdir()
+    for path in (stale, live, strange):
+        left_by_a_killed_run(path)
+    planted = tmp_path / ".out.slim-mha-staging-00000005"  # our name, but no run of ours made it
+    planted.mkdir()
+    (planted / "model-00001-of-00003.safetensors").write_bytes(b"someone's")
     other = tmp_path / ".other.slim-mha-staging-00000004"  # another DST's litter: not ours to judge
     other.write_bytes(b"x")
     legacy = tmp_path / ".out.c1af7afd.tmp"
@@ -277,17 +284,21 @@ def test_litter_is_removed_only_when_no_live_run_holds_it(tmp_path, sharded):
     finally:
         os.close(holder)
     assert not stale.exists() and live.exists() and strange.exists() and other.exists() and legacy.exists()
+    assert (planted / "model-00001-of-00003.safetensors").read_bytes() == b"someone's"
     assert report.notes == (  # in name order
         f"{legacy} looks left by an interrupted run of an older slim_mha; remove it by hand",
         f"removed {stale}, a partial output left by an interrupted run",
         f"left {live}: another slim-mha-migrate run is writing it",
         f"left {strange}: named like our staging, but it holds something we never write",
+        f"left {planted}: it is named like slim-mha-migrate's staging, but no record of this tool's runs says it "
+        "made it; look inside and remove it by hand",
     )
 
 
 def test_litter_that_cannot_be_removed_is_said_and_does_not_stop_the_run(tmp_path, sharded, monkeypatch):
     stale = tmp_path / ".out.slim-mha-staging-00000001"
     stale.write_bytes(b"partial")
+    left_by_a_killed_run(stale)
 
     def refuse(path):
         raise PermissionError(13, "Permission denied", str(path))
@@ -309,9 +320,8 @@ def test_an_input_that_fails_while_writing_is_named(tmp_path, sharded, monkeypat
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(writer_module.os, "open", unreadable)
-    assert refusal(OSError, fold_checkpoint, sharded, tmp_path / "out") == (
-        f"{tmp_path / 'out'}: cannot write the output ({sharded / 'config.json'}: Permission denied); "
-        "nothing was written"
+    assert refusal(ValueError, fold_checkpoint, sharded, tmp_path / "out") == (
+        f"{sharded / 'config.json'}: cannot be read (Permission denied)"
     )
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
@@ -386,7 +396,7 @@ def test_killed_mid_write(tmp_path, sharded, kill, existing):
     out = tmp_path / "out"
     if existing:
         tensors = _tensors()
-        save_sharded(tensors, out, [list(tensors)[:9], list(tensors)[9:]])  # an older output, different bytes
+        save_sharded(tensors, out, [list(tensors)[:9], list(tensors)[9:]], metadata=OURS)  # an older output
     old = tree_digest(out) if existing else None
     ready = tmp_path / "ready"
     process = _start(sharded, out, "after-first-shard", ready, "--force")

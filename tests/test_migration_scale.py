@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
 from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
-from _migration_checkpoints import prefixed, save_sharded, stock_attention
+from _migration_checkpoints import key_bias_free, prefixed, save_sharded, stock_attention
 
 
 def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
@@ -37,8 +38,10 @@ def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
     assert set(reads) == {"a.in_proj_bias", "a.bias_k", "b.in_proj_bias"}
 
     reads.clear()
-    to_stock_checkpoint(tmp_path / "slim", tmp_path / "back")
-    assert set(reads) == {"a.q_proj_bias", "a.v_proj_bias", "b.q_proj_bias", "b.v_proj_bias"}
+    (tmp_path / "v1").mkdir()
+    save_file(key_bias_free(stock_attention(seed=1), "b."), tmp_path / "v1" / "model.safetensors")
+    to_stock_checkpoint(tmp_path / "v1", tmp_path / "back")
+    assert set(reads) == {"b.q_proj_bias", "b.v_proj_bias"}
 
 
 _CHILD = """
