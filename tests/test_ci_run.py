@@ -175,13 +175,24 @@ def test_pytest_collecting_no_tests_fails_the_run(ci_copy):
     assert result.stderr == ".ci/run: FAILED\n"
 
 
-def test_a_range_that_ci_does_not_test_is_refused(ci_copy):
+@pytest.mark.parametrize(
+    "declared, refused, message",
+    [
+        ('"torch>=2.4.1,<2.16"', '"torch>=2.4.1,<2.17"',
+         '.ci/run: pyproject.toml must declare "torch>=2.4.1,<2.16" (oldest and newest tested torch); update '
+         "pyproject.toml and .ci/run together\n"),
+        ('requires-python = ">=3.10"', 'requires-python = ">=3.9"',
+         '.ci/run: pyproject.toml must declare requires-python = ">=3.10" (the oldest Python tested); update '
+         "pyproject.toml and .ci/run together\n"),
+    ],
+    ids=["torch", "python"],
+)
+def test_a_range_that_ci_does_not_test_is_refused(ci_copy, declared, refused, message):
     pyproject = ci_copy / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('"torch>=2.4.1,<2.16"', '"torch>=2.4.1,<2.17"'))
+    pyproject.write_text(pyproject.read_text().replace(declared, refused))
     result = run_ci(ci_copy)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ('.ci/run: pyproject.toml must declare "torch>=2.4.1,<2.16" (oldest and newest tested '
-                             "torch); update pyproject.toml and .ci/run together\n")
+    assert result.stderr == message
 
 
 def test_a_readme_without_the_test_command_is_refused(ci_copy):
@@ -200,15 +211,6 @@ def test_a_switch_other_than_0_or_1_is_refused(ci_copy):
     result = run_ci(ci_copy, SLIM_MHA_CI_PY313="yes")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == ".ci/run: SLIM_MHA_CI_PY313 must be 0 (skip that step) or 1 (run it, the default), not 'yes'\n"
-
-
-def test_a_requires_python_that_ci_does_not_test_is_refused(ci_copy):
-    pyproject = ci_copy / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('requires-python = ">=3.10"', 'requires-python = ">=3.9"'))
-    result = run_ci(ci_copy)
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ('.ci/run: pyproject.toml must declare requires-python = ">=3.10" (the oldest Python '
-                             "tested); update pyproject.toml and .ci/run together\n")
 
 
 def test_the_classifiers_and_the_tested_bytecode_are_the_pythons_ci_runs():
