@@ -129,8 +129,7 @@ def debian_tools(ci_copy) -> dict[str, str]:
 
 def run_ci(folder: Path, *, ignore_sigint: bool = False, **variables: str) -> subprocess.CompletedProcess:
     environment = {"PATH": str(folder / "bin"), "FAKE_TORCH": "2.13.0", "FAKE_PYTEST_RC": "0",
-                   "SLIM_MHA_CI_OLDEST": "0", "SLIM_MHA_CI_NEWEST": "0", "SLIM_MHA_CI_PY310": "0",
-                   "SLIM_MHA_CI_PY312": "0", "SLIM_MHA_CI_PY313": "0", "PYENV_ROOT": str(folder / "pyenv"),
+                   "SLIM_MHA_CI_OLDEST": "0", "SLIM_MHA_CI_NEWEST": "0", "SLIM_MHA_CI_PY312": "0", "SLIM_MHA_CI_PY313": "0", "PYENV_ROOT": str(folder / "pyenv"),
                    **variables}
     # SIGINT's disposition is set either way, so the result does not depend on how pytest was started.
     disposition = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
@@ -154,7 +153,7 @@ def test_a_passing_step_passes(ci_copy):
     assert "local  torch 2.13.0  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
     assert "oldest  torch 2.4.1  skipped (SLIM_MHA_CI_OLDEST=0)\n" in result.stdout
     assert "newest  torch 2.15.0  skipped (SLIM_MHA_CI_NEWEST=0)\n" in result.stdout
-    for version in ("3.10", "3.12", "3.13"):
+    for version in ("3.12", "3.13"):
         switch = f"SLIM_MHA_CI_PY{version.replace('.', '')}"
         assert f"py{version.replace('.', '')}  Python {version}  torch 2.13.0  skipped ({switch}=0)\n" in result.stdout
     assert result.stdout.endswith(".ci/run: all steps passed\n")
@@ -181,8 +180,8 @@ def test_pytest_collecting_no_tests_fails_the_run(ci_copy):
         ('"torch>=2.4.1,<2.16"', '"torch>=2.4.1,<2.17"',
          '.ci/run: pyproject.toml must declare "torch>=2.4.1,<2.16" (oldest and newest tested torch); update '
          "pyproject.toml and .ci/run together\n"),
-        ('requires-python = ">=3.10"', 'requires-python = ">=3.9"',
-         '.ci/run: pyproject.toml must declare requires-python = ">=3.10" (the oldest Python tested); update '
+        ('requires-python = ">=3.11"', 'requires-python = ">=3.10"',
+         '.ci/run: pyproject.toml must declare requires-python = ">=3.11" (the oldest Python tested); update '
          "pyproject.toml and .ci/run together\n"),
     ],
     ids=["torch", "python"],
@@ -227,9 +226,10 @@ def test_the_classifiers_and_the_tested_bytecode_are_the_pythons_ci_runs():
 
 def test_each_python_step_runs_pyenv_s_newest_of_its_version(ci_copy):
     add_pyenv(ci_copy, "3.10.13", "3.12.1", "3.13.0", "3.13.10")
-    result = run_ci(ci_copy, SLIM_MHA_CI_PY310="1", SLIM_MHA_CI_PY312="1", SLIM_MHA_CI_PY313="1")
+    result = run_ci(ci_copy, SLIM_MHA_CI_PY312="1", SLIM_MHA_CI_PY313="1")
     assert result.returncode == 0, result.stdout
-    for version in ("3.10", "3.12", "3.13"):
+    assert not (ci_copy / ".venv-py310").exists()
+    for version in ("3.12", "3.13"):
         assert f"py{version.replace('.', '')}  Python {version}  torch 2.13.0  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
     made_by = (ci_copy / ".venv-py313" / "made-by").read_text().strip()
     assert made_by == str(ci_copy / "pyenv" / "versions" / "3.13.10" / "bin" / "python3.13")
@@ -245,10 +245,11 @@ def test_a_venv_of_another_python_fails_its_step(ci_copy):
 
 
 def test_a_python_that_is_not_there_fails_its_step_and_names_the_switch(ci_copy):
-    result = run_ci(ci_copy, SLIM_MHA_CI_PY310="1")
+    add_pyenv(ci_copy, "3.13.0")
+    result = run_ci(ci_copy, SLIM_MHA_CI_PY312="1")
     assert result.returncode == 1
-    assert ("py310  Python 3.10  torch 2.13.0  FAILED: no Python 3.10 (pyenv's or python3.10 on PATH); install one, "
-            "or set SLIM_MHA_CI_PY310=0 to skip this step\n") in result.stdout
+    assert ("py312  Python 3.12  torch 2.13.0  FAILED: no Python 3.12 (pyenv's or python3.12 on PATH); install one, "
+            "or set SLIM_MHA_CI_PY312=0 to skip this step\n") in result.stdout
     assert result.stderr == ".ci/run: FAILED\n"
 
 
