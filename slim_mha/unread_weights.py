@@ -14,7 +14,8 @@ What counts as proof (anything else, and any doubt, means "compute the weights a
   for this module, and the caller's current instruction is a plain ``CALL`` whose argument count
   and keyword names are exactly those ``Module.__call__`` received. That last check rules out a C
   function in between (``list(map(attn, qs, ks, vs))[0]``), which shows the caller's ``CALL`` of
-  ``list`` as its current instruction.
+  ``list`` as its current instruction. (3.11 emits ``[KW_NAMES k] PRECALL n; CALL n``, 3.12
+  ``[KW_NAMES k] CALL n``, 3.13 ``CALL n`` or, with keywords, ``LOAD_CONST k; CALL_KW n``.)
 * Right after that ``CALL``, one of two shapes:
 
   - ``attn(...)[0]``: ``LOAD_CONST 0`` (an ``int``) and ``BINARY_SUBSCR``; the tuple is consumed there;
@@ -30,6 +31,12 @@ What counts as proof (anything else, and any doubt, means "compute the weights a
   (``make_fx``, fake tensors), or FX proxies. A trace records one graph for every later call,
   whatever its caller does with the weights.
 * The Python minor version is one whose bytecode these rules were tested on (``_TESTED_VERSIONS``).
+  On any other, the weights are computed as asked, and the first call that would have been
+  analysed warns once, naming the version: a silent no-op would look like a working option.
+
+3.13 fuses two local loads or stores into one instruction (``STORE_FAST_STORE_FAST``, ...): the
+analysis splits each back into the two plain instructions first, so the rules above read the same
+on every version, and a read hidden in the second half of a pair still counts as a read.
 
 A wrong verdict can only ever turn weights into ``None``, never change a number: the output is what
 ``need_weights=False`` computes, which equals the weighted call's output (the two paths compute the
@@ -50,6 +57,7 @@ from __future__ import annotations
 import dis
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,11 +74,19 @@ from ._torch_compat import STOCK_MHA, is_symbolic_call
 
 __all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread_weights_report", "weights_discarded"]
 
-# Python minor versions whose bytecode the recognised shapes were tested on (tests/test_unread_weights.py).
-# CPython changes these opcodes between minor versions (3.12 adds LOAD_FAST_AND_CLEAR, 3.13 fuses
-# stores and moves keyword names onto the stack, 3.14 turns BINARY_SUBSCR into BINARY_OP), so an
-# untested version never skips.
-_TESTED_VERSIONS = frozenset({(3, 11)})
+# Python minor versions whose bytecode the recognised shapes were tested on: those .ci/run runs
+# tests/test_unread_weights.py on. CPython changes these opcodes between minor versions (3.12 drops
+# PRECALL, 3.13 moves keyword names onto the stack and fuses loads and stores, 3.14 turns
+# BINARY_SUBSCR into BINARY_OP and 0 into LOAD_SMALL_INT), so an untested version never skips.
+_TESTED_VERSIONS = frozenset({(3, 11), (3, 12), (3, 13)})
+# 3.11 calls through ``PRECALL n; CALL n``; later versions through ``CALL n`` alone.
+_PRECALL_BEFORE_CALL = "PRECALL" in dis.opmap
+# 3.13's superinstructions, each as the two plain instructions it runs (its argval: their two names).
+_FUSED = {
+    "LOAD_FAST_LOAD_FAST": ("LOAD_FAST", "LOAD_FAST"),
+    "STORE_FAST_LOAD_FAST": ("STORE_FAST", "LOAD_FAST"),
+    "STORE_FAST_STORE_FAST": ("STORE_FAST", "STORE_FAST"),
+}
 
 # Names through which a function can read its own locals without a LOAD_FAST. (A function it calls
 # could still walk up to its frame, as a debugger does: that reader would get None, loudly.)
@@ -98,6 +114,8 @@ class _Site:
 _BETWEEN_CODES: dict[object, frozenset[CodeType]] = {}
 # (code object, offset of the CALL) -> _Site, or None when the weights may be read.
 _VERDICTS: dict[tuple[CodeType, int], _Site | None] = {}
+# The untested Python versions already warned about (one warning per process).
+_WARNED_VERSIONS: set[tuple[int, int]] = set()
 
 
 def resolve_option(skip_unread_weights: object) -> bool:
@@ -136,7 +154,7 @@ def _torch_call_frames() -> tuple[CodeType, frozenset[CodeType]]:
 
 def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
     """The caller's frame if it discards the weights ``module`` returns; ``frame`` is forward's or a hook's."""
-    if sys.version_info[:2] not in _TESTED_VERSIONS or _outputs_observed(module):
+    if not _bytecode_tested() or _outputs_observed(module):
         return None
     wrapped_code, inner_codes = _torch_call_frames()
     below = frame.f_back  # not torch's frames when forward was called directly, or by a subclass
@@ -166,6 +184,25 @@ def _discarding_caller(frame: FrameType, module: nn.Module) -> FrameType | None:
     return caller
 
 
+def _bytecode_tested() -> bool:
+    """Whether this Python's bytecode is one the analysis was tested on; the first time it is not, warns."""
+    version = sys.version_info[:2]
+    if version in _TESTED_VERSIONS:
+        return True
+    if version not in _WARNED_VERSIONS:
+        _WARNED_VERSIONS.add(version)
+        tested = ", ".join(f"{major}.{minor}" for major, minor in sorted(_TESTED_VERSIONS))
+        warnings.warn(
+            f"skip_unread_weights has no effect on Python {version[0]}.{version[1]}: slim_mha reads a call "
+            f"site's bytecode only on the Python versions it was tested on ({tested}), so every call "
+            "computes its attention weights as asked (and unread_weights_report counts none); where "
+            "the weights are not used, pass need_weights=False",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
+
+
 def _outputs_observed(module: nn.Module) -> bool:
     """Whether a hook will see the returned tuple (a forward hook reading the weights, for one)."""
     global_forward = _torch_module._global_forward_hooks
@@ -181,9 +218,9 @@ def _outputs_observed(module: nn.Module) -> bool:
 
 def _analyse_call_site(code: CodeType, lasti: int) -> _Site | None:
     """Read the caller's bytecode around the instruction at ``lasti`` (the call in progress)."""
-    instructions = [ins for ins in dis.get_instructions(code)]
+    instructions = _plain_instructions(code)
     index = _instruction_at(instructions, lasti)
-    if index is None or instructions[index].opname != "CALL":  # CALL_FUNCTION_EX: *args, **kwargs
+    if index is None:
         return None
     call = instructions[index]
     keywords = _keyword_names(code, instructions, index)
@@ -195,11 +232,25 @@ def _analyse_call_site(code: CodeType, lasti: int) -> _Site | None:
     return None
 
 
+def _plain_instructions(code: CodeType) -> list[dis.Instruction]:
+    """``code``'s instructions, each superinstruction split into the two it fuses (both at its offset)."""
+    instructions = []
+    for instruction in dis.get_instructions(code):
+        halves = _FUSED.get(instruction.opname)
+        if halves is None:
+            instructions.append(instruction)
+            continue
+        for opname, name in zip(halves, instruction.argval, strict=True):
+            instructions.append(instruction._replace(opname=opname, opcode=dis.opmap[opname], arg=None, argval=name))
+    return instructions
+
+
 def _instruction_at(instructions: list[dis.Instruction], offset: int) -> int | None:
     """Index of the instruction whose bytes (inline caches included) contain ``offset``.
 
     A call into a Python function reports the offset of the ``CALL``'s last cache entry, a call
-    through C (``Module.__call__``) the ``CALL`` itself.
+    through C (``Module.__call__``) the ``CALL`` itself. (The halves of a split superinstruction
+    share an offset; no call is among them.)
     """
     for index, instruction in enumerate(instructions):
         following = instructions[index + 1].offset if index + 1 < len(instructions) else None
@@ -209,17 +260,30 @@ def _instruction_at(instructions: list[dis.Instruction], offset: int) -> int | N
 
 
 def _keyword_names(code: CodeType, instructions: list[dis.Instruction], index: int) -> tuple[str, ...] | None:
-    """Keyword names of the ``CALL`` at ``index``: 3.11 emits ``[KW_NAMES k] PRECALL n CALL n``."""
+    """Keyword names of the call at ``index``; None unless it is a plain call with its arguments on the stack.
+
+    3.11: ``[KW_NAMES k] PRECALL n; CALL n``; 3.12: ``[KW_NAMES k] CALL n``; 3.13: ``CALL n``, or
+    ``LOAD_CONST k; CALL_KW n``. (``CALL_FUNCTION_EX``, the ``*args``/``**kwargs`` call, is none of them.)
+    """
     call = instructions[index]
     before = index - 1
-    if before < 0 or instructions[before].opname != "PRECALL" or instructions[before].arg != call.arg:
-        return None
-    if before >= 1 and instructions[before - 1].opname == "KW_NAMES":
-        names = code.co_consts[instructions[before - 1].arg]
-        if not isinstance(names, tuple) or len(names) > call.arg:
+    if call.opname == "CALL_KW":
+        if before < 0 or instructions[before].opname != "LOAD_CONST":
             return None
-        return names
-    return ()
+        names = instructions[before].argval
+    elif call.opname == "CALL":
+        if _PRECALL_BEFORE_CALL:
+            if before < 0 or instructions[before].opname != "PRECALL" or instructions[before].arg != call.arg:
+                return None
+            before -= 1
+        if before < 0 or instructions[before].opname != "KW_NAMES":
+            return ()
+        names = code.co_consts[instructions[before].arg]
+    else:
+        return None
+    if not isinstance(names, tuple) or len(names) > call.arg or not all(type(name) is str for name in names):
+        return None
+    return names
 
 
 def _skip_padding(instructions: list[dis.Instruction], index: int) -> int:

@@ -5,6 +5,10 @@ analysis recognises must return stock's output (to the dtype's tolerance) and ``
 with no softmax outside ``scaled_dot_product_attention``; every other shape must return stock's
 output *and* stock's weights. The call sites are written out as small functions at module level
 because the analysis reads exactly their bytecode.
+
+The whole file runs on every Python version: the tests that need the analysis to skip are marked
+``needs_tested_bytecode`` and run on the versions in ``_TESTED_VERSIONS`` (CI runs each of them);
+everything else, the warning of an untested version included, runs everywhere.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import inspect
 import io
 import pickle
 import sys
+import warnings
 
 import pytest
 import torch
@@ -31,9 +36,10 @@ from slim_mha.bench.detr import DetrShape, DetrStyleDecoderLayer, detr_inputs, e
 
 E, H, L, S, B = 16, 4, 5, 7, 3
 
-pytestmark = pytest.mark.skipif(
-    sys.version_info[:2] not in _unread_weights._TESTED_VERSIONS,
-    reason="skipping is off on Python versions whose bytecode was not tested",
+PYTHON = sys.version_info[:2]
+needs_tested_bytecode = pytest.mark.skipif(
+    PYTHON not in _unread_weights._TESTED_VERSIONS,
+    reason=f"skipping is off on Python {PYTHON[0]}.{PYTHON[1]}, whose bytecode was not tested (it warns instead)",
 )
 
 
@@ -177,6 +183,11 @@ def site_read_through_locals(attn, q, k, v):
     return out, locals()["weights"]
 
 
+def site_read_in_a_comprehension(attn, q, k, v):
+    out, weights = attn(q, k, v)
+    return out, [weights for _ in range(1)][0]  # 3.12+ inline it; 3.13 fuses the read with a store
+
+
 def site_nested_unpack(attn, q, k, v):
     (_, *later_queries), weights = attn(q, k, v)  # the first target is itself an unpacking
     return torch.stack(later_queries), weights
@@ -229,6 +240,7 @@ NOT_RECOGNISED = {
     site_read_earlier_in_a_loop: 2,
     site_captured_by_a_closure: 1,
     site_read_through_locals: 1,
+    site_read_in_a_comprehension: 1,
     site_star_unpack: 1,
     site_through_map: 1,
     site_subscript_false: 2,
@@ -242,6 +254,7 @@ NOT_RECOGNISED = {
 # --------------------------------------------------------------------------------- recognised
 
 
+@needs_tested_bytecode
 @pytest.mark.parametrize("site", RECOGNISED, ids=lambda site: site.__name__)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_recognised_sites_skip_the_weights_and_match_stock(site, dtype, spy):
@@ -253,6 +266,7 @@ def test_recognised_sites_skip_the_weights_and_match_stock(site, dtype, spy):
     assert_close_scaled(actual, expected, "output")
 
 
+@needs_tested_bytecode
 def test_recognised_site_returns_none_as_the_weights(monkeypatch):
     """Seen from inside: the tuple the discarding caller received had None as the weights."""
     _, slim = stock_and_slim()
@@ -272,6 +286,7 @@ def test_recognised_site_returns_none_as_the_weights(monkeypatch):
     assert received == [None, None]
 
 
+@needs_tested_bytecode
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference_mode"])
 def test_skipped_gradients_match_stock(mode, spy):
     stock, slim = stock_and_slim()
@@ -298,6 +313,7 @@ def test_skipped_gradients_match_stock(mode, spy):
         assert_close_scaled(slim.in_proj_weight.grad, stock.in_proj_weight.grad, "in_proj_weight grad")
 
 
+@needs_tested_bytecode
 @pytest.mark.parametrize(
     "options", [{"batch_first": True}, {"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 6, "vdim": 9}]
 )
@@ -312,6 +328,7 @@ def test_skipping_matches_stock_across_structures(options, spy):
     assert spy.calls == 0
 
 
+@needs_tested_bytecode
 def test_skipping_unbatched_and_causal_matches_stock(spy):
     stock, slim = stock_and_slim()
     q, k, _ = tokens()
@@ -327,6 +344,7 @@ def test_skipping_unbatched_and_causal_matches_stock(spy):
     assert spy.calls == 0
 
 
+@needs_tested_bytecode
 def test_dropout_in_training_draws_as_stock_without_weights():
     """Skipping computes what need_weights=False computes: same RNG use as stock's weightless path."""
     stock, slim = stock_and_slim(dropout=0.3)
@@ -358,6 +376,7 @@ def test_not_recognised_sites_return_stock_weights(site, spy):
     assert spy.calls == NOT_RECOGNISED[site], "a call at a not-recognised site skipped its weights"
 
 
+@needs_tested_bytecode
 def test_the_same_spy_sees_a_skipped_call_next_to_a_kept_one(spy):
     """The counterpart that proves the tests above can fail: of [0] and [1], only [1] computes."""
     stock, slim = stock_and_slim()
@@ -387,6 +406,7 @@ def test_a_wrapping_module_keeps_the_weights(spy):
     assert Wrapper(slim)(q, k, v)[0] is not None and spy.calls == 2  # [0] on the wrapper: still computed
 
 
+@needs_tested_bytecode
 @pytest.mark.parametrize("scope", ["module", "global", "with_kwargs", "backward"])
 def test_hooks_that_see_the_output_keep_the_weights(scope, spy):
     stock, slim = stock_and_slim()
@@ -416,6 +436,7 @@ def test_hooks_that_see_the_output_keep_the_weights(scope, spy):
     assert spy.calls == 1, "hooks removed: the site skips again"
 
 
+@needs_tested_bytecode
 def test_forward_pre_hooks_do_not_stop_skipping(spy):
     _, slim = stock_and_slim()
     q, k, v = tokens()
@@ -427,12 +448,54 @@ def test_forward_pre_hooks_do_not_stop_skipping(spy):
     assert spy.calls == 0
 
 
-def test_untested_python_versions_keep_the_weights(monkeypatch, spy):
+def untested_warning(version: tuple[int, int]) -> str:
+    return (
+        f"skip_unread_weights has no effect on Python {version[0]}.{version[1]}: slim_mha reads a call site's "
+        f"bytecode only on the Python versions it was tested on (2.7), so every call computes its attention "
+        f"weights as asked (and unread_weights_report counts none); where the weights are not used, pass "
+        f"need_weights=False"
+    )
+
+
+def test_untested_python_versions_keep_the_weights_and_warn_once(monkeypatch, spy):
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    monkeypatch.setattr(_unread_weights, "_TESTED_VERSIONS", frozenset({(2, 7)}))
+    monkeypatch.setattr(_unread_weights, "_WARNED_VERSIONS", set())
+    with pytest.warns(RuntimeWarning) as caught:
+        out = site_subscript_zero(slim, q, k, v)
+    assert [str(warning.message) for warning in caught] == [untested_warning(PYTHON)]
+    assert spy.calls == 1
+    assert_close_scaled(out, site_subscript_zero(stock, q, k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second module, site or audit stays quiet
+        _, other = stock_and_slim()
+        site_unpack_underscore(other, q, k, v)
+        with unread_weights_report(quiet=True) as report:
+            site_subscript_zero(stock, q, k, v)
+    assert spy.calls == 2 and report.sites == []
+
+
+@pytest.mark.skipif(PYTHON in _unread_weights._TESTED_VERSIONS, reason="this Python's bytecode is tested")
+def test_this_untested_python_keeps_the_weights_and_says_so(monkeypatch, spy):
+    """On a version CI runs but whose bytecode is untested: the real check, not a patched one."""
+    stock, slim = stock_and_slim()
+    q, k, v = tokens()
+    monkeypatch.setattr(_unread_weights, "_WARNED_VERSIONS", set())
+    with pytest.warns(RuntimeWarning, match=rf"^skip_unread_weights has no effect on Python {PYTHON[0]}\.{PYTHON[1]}: "):
+        out = site_subscript_zero(slim, q, k, v)
+    assert spy.calls == 1, "the weights were not computed"
+    assert_close_scaled(out, site_subscript_zero(stock, q, k, v))
+
+
+@needs_tested_bytecode
+def test_a_tested_python_does_not_warn(spy):
     _, slim = stock_and_slim()
     q, k, v = tokens()
-    monkeypatch.setattr(_unread_weights, "_TESTED_VERSIONS", frozenset())
-    site_subscript_zero(slim, q, k, v)
-    assert spy.calls == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        site_subscript_zero(slim, q, k, v)
+    assert spy.calls == 0
 
 
 def test_the_option_off_keeps_the_weights(spy):
@@ -451,16 +514,53 @@ def test_need_weights_false_is_untouched(spy):
     assert_close_scaled(out, stock(q, k, v, need_weights=False)[0])
 
 
-def test_the_bytecode_this_python_emits_is_the_shape_the_analysis_reads():
-    """3.11: ``PRECALL n; CALL n`` then ``LOAD_CONST 0; BINARY_SUBSCR`` or ``UNPACK_SEQUENCE 2; STORE_FAST x2``."""
-    names = [instruction.opname for instruction in dis.get_instructions(site_subscript_zero)]
-    call = names.index("CALL")
-    assert names[call - 1] == "PRECALL" and names[call + 1 : call + 3] == ["LOAD_CONST", "BINARY_SUBSCR"]
-    names = [instruction.opname for instruction in dis.get_instructions(site_unpack_underscore)]
-    call = names.index("CALL")
-    assert names[call + 1 : call + 4] == ["UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"]
-    keywords = [i for i in dis.get_instructions(site_subscript_zero_keywords) if i.opname == "KW_NAMES"]
-    assert len(keywords) == 1
+# What each tested Python emits for the shapes the analysis reads, from the CALL on.
+EMITTED = {
+    (3, 11): {
+        site_subscript_zero: ["PRECALL", "CALL", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_subscript_zero_keywords: ["KW_NAMES", "PRECALL", "CALL", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_unpack_underscore: ["PRECALL", "CALL", "UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"],
+        site_second_name_read_later: ["PRECALL", "CALL", "UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"],
+    },
+    (3, 12): {
+        site_subscript_zero: ["LOAD_FAST", "CALL", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_subscript_zero_keywords: ["KW_NAMES", "CALL", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_unpack_underscore: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"],
+        site_second_name_read_later: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST"],
+    },
+    (3, 13): {
+        site_subscript_zero: ["LOAD_FAST", "CALL", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_subscript_zero_keywords: ["LOAD_CONST", "CALL_KW", "LOAD_CONST", "BINARY_SUBSCR"],
+        site_unpack_underscore: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST_STORE_FAST"],
+        # the later read is the second half of a fused pair: the analysis must split it to see it
+        site_second_name_read_later: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST_STORE_FAST",
+                                      "LOAD_FAST_LOAD_FAST"],
+    },
+}
+
+
+def test_every_tested_python_has_its_bytecode_pinned():
+    assert set(EMITTED) == _unread_weights._TESTED_VERSIONS
+
+
+@needs_tested_bytecode
+@pytest.mark.parametrize("site", list(EMITTED[(3, 11)]), ids=lambda site: site.__name__)
+def test_the_bytecode_this_python_emits_is_the_shape_the_analysis_reads(site):
+    """The instructions around the attention call, as this version emits them (see EMITTED)."""
+    expected = EMITTED[PYTHON][site]
+    names = [instruction.opname for instruction in dis.get_instructions(site)]
+    call = names.index(expected[1])
+    assert names[call - 1 : call - 1 + len(expected)] == expected
+
+
+@pytest.mark.skipif(PYTHON < (3, 13), reason="3.13 is the first Python with fused loads and stores")
+def test_fused_instructions_are_split_into_the_two_they_run():
+    plain = [(i.opname, i.argval) for i in _unread_weights._plain_instructions(site_read_in_a_comprehension.__code__)]
+    fused = [(i.opname, i.argval) for i in dis.get_instructions(site_read_in_a_comprehension)]
+    assert ("STORE_FAST_STORE_FAST", ("out", "weights")) in fused and ("STORE_FAST_LOAD_FAST", ("_", "weights")) in fused
+    assert plain[plain.index(("STORE_FAST", "out")) + 1] == ("STORE_FAST", "weights")
+    assert plain[plain.index(("STORE_FAST", "_")) + 1] == ("LOAD_FAST", "weights")
+    assert not any(name in _unread_weights._FUSED for name, _ in plain)
 
 
 # ------------------------------------------------------------------------------------- traces
@@ -565,6 +665,7 @@ def test_functorch_transforms_keep_the_weights(spy):
 # --------------------------------------------------------------------------------- the cache
 
 
+@needs_tested_bytecode
 def test_each_call_site_is_analysed_once(monkeypatch):
     _, slim = stock_and_slim()
     q, k, v = tokens()
@@ -600,6 +701,7 @@ def detr_pair(dropout: float = 0.0):
     return stock, inputs
 
 
+@needs_tested_bytecode
 @pytest.mark.parametrize("build", ["convert", "patched"])
 @pytest.mark.parametrize("mode", ["train", "eval", "inference_mode"])
 def test_detr_decoder_layer_computes_no_weights_and_matches_stock(build, mode):
@@ -637,6 +739,7 @@ def test_detr_decoder_layer_computes_no_weights_and_matches_stock(build, mode):
     assert explicit_softmax_calls(lambda: step(slim)) == 0
 
 
+@needs_tested_bytecode
 def test_detr_decoder_layer_with_dropout_draws_as_stock_without_weights():
     """DETR trains with attention dropout 0.1: the skipped layer draws as need_weights=False would."""
     stock, inputs = detr_pair(dropout=0.1)
@@ -659,6 +762,7 @@ def line_of(function, text: str) -> int:
     return first + next(index for index, line in enumerate(lines) if text in line)
 
 
+@needs_tested_bytecode
 def test_the_audit_names_the_detr_call_sites_with_counts(capsys):
     stock, inputs = detr_pair()
     stock.eval()
@@ -678,6 +782,7 @@ def test_the_audit_names_the_detr_call_sites_with_counts(capsys):
     assert "fix: pass need_weights=False" in printed
 
 
+@needs_tested_bytecode
 def test_the_audit_counts_slim_modules_that_compute_weights_and_not_those_that_skip():
     stock, inputs = detr_pair()
     computing = convert(copy.deepcopy(stock)).eval()
@@ -691,6 +796,7 @@ def test_the_audit_counts_slim_modules_that_compute_weights_and_not_those_that_s
     assert_close_scaled(out, stock.eval()(**inputs))
 
 
+@needs_tested_bytecode
 def test_the_audit_nests_and_removes_its_hook():
     stock, _ = stock_and_slim()
     q, k, v = tokens()
@@ -707,6 +813,7 @@ def test_the_audit_nests_and_removes_its_hook():
     assert stream.getvalue().startswith("slim_mha: 2 call site(s) computed attention weights")
 
 
+@needs_tested_bytecode
 def test_an_empty_audit_says_so(capsys):
     _, slim = stock_and_slim()
     q, k, v = tokens()
@@ -776,6 +883,7 @@ def test_convert_sets_the_option_on_the_modules_it_builds():
     assert convert(STOCK_MHA(E, H)).skip_unread_weights is False
 
 
+@needs_tested_bytecode
 def test_a_wrong_skip_is_loud_not_a_wrong_number():
     """The documented residual: a C callable that caches the result hands a later reader None."""
     _, slim = stock_and_slim()
@@ -789,6 +897,7 @@ def test_a_wrong_skip_is_loud_not_a_wrong_number():
 # ------------------------------------------------------------------------------ the benchmark case
 
 
+@needs_tested_bytecode
 def test_the_detr_benchmark_measures_what_it_claims():
     """A tiny run of the DETR case: slim_skip runs no weights path where stock and slim do."""
     from slim_mha.bench.detr import format_detr, run_detr
