@@ -688,3 +688,22 @@ def test_averaged_weights_in_blocks_of_query_rows_match_stock(monkeypatch, kpm, 
     compare_with_stock(
         Case(key_padding_mask=kpm, attn_mask=attn_mask, appended=appended, mode=mode, weights="averaged", kind="cross")
     )
+
+
+def test_slim_overrides_no_module_hook_beyond_loading():
+    """Stock's contract by construction: no attribute, registration, casting, saving or pickling hook
+    of its own, and nothing named ``in_proj_bias`` on the class (it is an ordinary registered Parameter).
+
+    Only what a class defines as callables, properties or class/static methods is compared: Python
+    versions add other entries to every class (``__static_attributes__``, ``__firstlineno__``).
+    """
+
+    def hooks(cls: type) -> set[str]:
+        return {
+            name for name, value in vars(cls).items()
+            if callable(value) or isinstance(value, (property, classmethod, staticmethod))
+        }
+
+    stock_hooks = hooks(nn.Module) | hooks(nn.MultiheadAttention)
+    assert hooks(SlimMultiheadAttention) & stock_hooks == {"__init__", "forward", "extra_repr", "_load_from_state_dict"}
+    assert not any("in_proj_bias" in vars(cls) for cls in SlimMultiheadAttention.__mro__)
