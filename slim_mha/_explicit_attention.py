@@ -56,13 +56,14 @@ def plan_weights_path(
 
 
 def attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool, *, q_scaled: bool = False
 ) -> tuple[Tensor, Tensor]:
     """softmax(q kᵀ / sqrt(D) + mask) v and the weights, in stock's order of operations.
 
     ``q`` is ``(B, H, L, D)``, ``k`` and ``v`` ``(B, H, S, D)``, ``mask`` additive and broadcastable
     to ``(B, H, L, S)``. Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged
-    over heads or ``(B, H, L, S)``.
+    over heads or ``(B, H, L, S)``. ``q_scaled``: ``q`` is already ``q / sqrt(D)``, a contiguous
+    tensor of the caller's that this path may write into (only ever without a graph).
     """
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
@@ -70,14 +71,15 @@ def attention_with_weights(
     plan = plan_weights_path(q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph)
     check_weights_fit(q, k.shape[2], plan)  # before any (B, H, L, S)
     if plan.functional:
+        assert not q_scaled, "scaled queries come only without a graph"
         return _attention_functional(q, k, v, mask, dropout_p, average)
     if plan.rows < q.shape[2]:
-        return _attention_averaged_in_blocks(q, k, v, mask, plan.rows)
-    return _attention_in_one_pass(q, k, v, mask, average)
+        return _attention_averaged_in_blocks(q, k, v, mask, plan.rows, q_scaled=q_scaled)
+    return _attention_in_one_pass(q, k, v, mask, average, q_scaled)
 
 
 def _attention_in_one_pass(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, average: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, average: bool, q_scaled: bool
 ) -> tuple[Tensor, Tensor]:
     """Without a graph: every head's scores at once, softmaxed in place; the output in q's copy.
 
@@ -87,7 +89,7 @@ def _attention_in_one_pass(
     B, H, L, D = q.shape
     S = k.shape[2]
     # Explicit sizes in every view, never -1: an empty batch or sequence leaves -1 undetermined.
-    scaled = _scaled_matrices(q)  # (B·H, L, D)
+    scaled = _matrices(q) if q_scaled else _scaled_matrices(q)  # (B·H, L, D), ours to write into
     scores = torch.bmm(scaled, _matrices(k).transpose(1, 2)).view(B, H, L, S)
     if mask is not None:
         scores.add_(mask)
@@ -117,7 +119,7 @@ def _attention_functional(
 
 
 def _attention_averaged_in_blocks(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int, q_scaled: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Averaged weights without a graph, ``rows`` query rows (all batches, all heads) at a time.
 
@@ -132,7 +134,8 @@ def _attention_averaged_in_blocks(
     for start in range(0, L, rows):
         block = slice(start, min(start + rows, L))
         block_rows = block.stop - block.start
-        scores = torch.bmm(_scaled_matrices(q[:, :, block]), k_matrices.transpose(1, 2))
+        block_queries = _matrices(q[:, :, block]) if q_scaled else _scaled_matrices(q[:, :, block])
+        scores = torch.bmm(block_queries, k_matrices.transpose(1, 2))
         scores = scores.view(B, H, block_rows, S)
         if mask is not None:
             scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])

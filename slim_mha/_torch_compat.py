@@ -16,6 +16,7 @@ __all__ = [
     "is_capturing_graph",
     "is_capturing_or_transforming",
     "fx_proxy_of",
+    "stock_head_split",
     "is_symbolic_call",
 ]
 
@@ -75,3 +76,14 @@ def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy
         return None
     tracer = query.tracer
     return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
+
+
+def stock_head_split(projected: Tensor, bias: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Stock's native kernel's step after its input matmul, for ``projected`` ``(B, L, 3E)``: adds
+    ``bias``, scales the queries by ``1/sqrt(D)`` and writes q, k, v head-major, contiguous
+    ``(B, H, L, D)``, in one op. Private: ``torch._transform_bias_rescale_qkv`` (no autograd),
+    present and used so by ``nn.MultiheadAttention`` on every tested version; it crashes the
+    process on an empty batch, so callers pass only non-empty inputs.
+    """
+    assert projected.numel() > 0, "stock_head_split needs a non-empty input"
+    return torch._transform_bias_rescale_qkv(projected, bias, num_heads)

@@ -11,7 +11,7 @@ from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights
 from ._stock_checks import attention_mask, is_batched_mha_input
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
-from ._torch_compat import STOCK_MHA, fx_proxy_of, is_capturing_or_transforming
+from ._torch_compat import STOCK_MHA, fx_proxy_of, is_capturing_or_transforming, is_symbolic_call, stock_head_split
 from .bias import key_bias, restore_stock_layout, without_key_bias
 from .equivariance import _mode as _equivariance
 
@@ -143,7 +143,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         self._check_embed_dims(query, key, value)
 
-        q, k, v = self._project(query, key, value, batch_first)  # (B, H, L, D), (B, H, S, D) x2
+        dropout_p = self.dropout if self.training else 0.0
+        # Weights without a graph: the queries may come scaled, from stock's own head-split op.
+        q, k, v, q_scaled = self._project(
+            query, key, value, batch_first, stock_heads=need_weights and dropout_p == 0.0
+        )  # (B, H, L, D), (B, H, S, D) x2
         (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
         appended = int(self.bias_k is not None) + int(self.add_zero_attn)
         mask, is_causal = attention_mask(
@@ -151,10 +155,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             batch=batch, num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended,
         )  # additive, broadcastable to (B, H, L, S + appended)
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
-        dropout_p = self.dropout if self.training else 0.0
 
         if need_weights:
-            out, weights = attention_with_weights(q, k, v, mask, dropout_p, average)
+            out, weights = attention_with_weights(q, k, v, mask, dropout_p, average, q_scaled=q_scaled)
         else:
             if mask is not None and has_folded_value_bias(self):
                 _refuse_rows_masked_from_every_key(mask)
@@ -185,9 +188,16 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
             )
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool) -> list[Tensor]:
-        """Input projections without the key bias, fused as far as the inputs allow; returns
-        ``(B, H, len, D)`` views."""
+    def _project(
+        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, stock_heads: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """Input projections without the key bias, fused as far as the inputs allow: ``(B, H, len, D)``
+        views, and whether the queries come scaled by ``1/sqrt(D)``.
+
+        With ``stock_heads`` a batch-first self-attention call without a graph takes stock's native
+        head split (:func:`~slim_mha._torch_compat.stock_head_split`): one op adds the bias, scales
+        the queries and lays q, k and v out head-major, where the views would cost three copies later.
+        """
         E = self.embed_dim
 
         def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int = 1) -> list[Tensor]:
@@ -201,17 +211,25 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         bias, weight = self.in_proj_bias, self.in_proj_weight
         if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
-            return heads(query, weight, without_key_bias(bias, E), 3)
+            fused_bias = without_key_bias(bias, E)
+            if stock_heads and batch_first and _takes_stock_heads(query, weight, fused_bias):
+                if fused_bias is None:
+                    fused_bias = weight.new_zeros(3 * E)
+                q, k, v = stock_head_split(F.linear(query, weight), fused_bias, self.num_heads)
+                return q, k, v, True
+            return (*heads(query, weight, fused_bias, 3), False)
         # Slices only past self-attention: they cost aten ops (launches) that path never uses.
         b_q, b_v = (bias[:E], bias[2 * E :]) if bias is not None else (None, None)
         if not self._qkv_same_embed_dim:
-            return heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
+            parts = heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
                 value, self.v_proj_weight, b_v
             )
-        if key is value:  # encoder-decoder attention: one matmul for keys and values
+        elif key is value:  # encoder-decoder attention: one matmul for keys and values
             kv_bias = without_key_bias(bias, E)[E:] if bias is not None else None
-            return heads(query, weight[:E], b_q) + heads(key, weight[E:], kv_bias, 2)
-        return heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], None) + heads(value, weight[2 * E :], b_v)
+            parts = heads(query, weight[:E], b_q) + heads(key, weight[E:], kv_bias, 2)
+        else:
+            parts = heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], None) + heads(value, weight[2 * E :], b_v)
+        return (*parts, False)
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
@@ -274,6 +292,20 @@ def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:
             "(stock outputs out_proj.bias on such a row, the fold adds W_o·b_v). Use the unfolded module "
             "for inputs like this, or leave at least one key unmasked per query"
         )
+
+
+def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Stock's head split applies: no graph, real tensors, one dtype, a non-empty input."""
+    records_graph = torch.is_grad_enabled() and (
+        query.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return (
+        not records_graph
+        and query.numel() > 0
+        and weight.dtype == query.dtype
+        and (bias is None or bias.dtype == query.dtype)
+        and not is_symbolic_call(query)
+    )
 
 
 def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:

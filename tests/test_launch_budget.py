@@ -74,7 +74,9 @@ def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch):
     """The check can fail: the weights computed one head at a time, as slim once did."""
     import slim_mha._explicit_attention as explicit
 
-    def head_by_head(q, k, v, mask, dropout_p, average):
+    def head_by_head(q, k, v, mask, dropout_p, average, q_scaled=False):
+        if q_scaled:  # stock's head split scaled the queries already
+            q = q * (q.shape[-1] ** 0.5)
         outs, weights = zip(*(
             explicit._attention_functional(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], mask, dropout_p, False)
             for h in range(q.shape[1])

@@ -144,7 +144,7 @@ def test_averaged_weights_go_in_blocks_one_byte_below_one_pass_and_are_refused_b
     monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
     blocks = []
     run_in_blocks = explicit._attention_averaged_in_blocks
-    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a: blocks.append(a[-1]) or run_in_blocks(*a))
+    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a, **kw: blocks.append(a[4]) or run_in_blocks(*a, **kw))
     with torch.no_grad():
         expected = stock(x, x, x)
         # One byte short of 12 MB: half of it less the 4 MB average leaves 166 rows of 12 KB: 7 blocks of 143.

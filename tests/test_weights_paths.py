@@ -59,7 +59,7 @@ def force(path: str, monkeypatch, rows_seen: list, one_pass_bytes: int) -> None:
     """Make the averaged no-graph call take ``path``; record the rows of every blocked call."""
     run_in_blocks = explicit._attention_averaged_in_blocks
     monkeypatch.setattr(
-        explicit, "_attention_averaged_in_blocks", lambda *a: rows_seen.append(a[-1]) or run_in_blocks(*a)
+        explicit, "_attention_averaged_in_blocks", lambda *a, **kw: rows_seen.append(a[4]) or run_in_blocks(*a, **kw)
     )
     if path == "blocks_of_1":
         monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", 1)
