@@ -146,13 +146,14 @@ def import_fully_shard():
     return fully_shard
 
 
-def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> None:
+def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> bool:
+    """Whether this torch's FSDP2 trained here (every rank finds out alike, before any collective)."""
     unsupported = out_dir / "fsdp2-unsupported.txt"  # the parent test skips with the reason written there
     fully_shard = import_fully_shard()
     if isinstance(fully_shard, str):
         if rank == 0:
             unsupported.write_text(fully_shard)
-        return
+        return False
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -171,12 +172,13 @@ def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> None:
         if rank == 0:
             reason = str(error).splitlines()[0]
             unsupported.write_text(f"torch {torch.__version__}'s FSDP2 needs CUDA even on a CPU mesh ({reason})")
-        return
+        return False
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert_ranks_agree(full, world_size)
     if rank == 0:
         check_and_save(out_dir / "fsdp2.pt", full, full, world_size)
     dist.barrier()
+    return True
 
 
 def attention_pair(build) -> list[nn.Module]:
@@ -228,8 +230,6 @@ def fsdp2_deferred_init_and_gradients_as_stock(rank: int, world_size: int, out_d
     """torchtitan's pattern: meta, fully_shard, to_empty, init through in_proj_bias; then gradients
     read and clipped through in_proj_bias, and a frozen in_proj_bias. Slim against stock."""
     fully_shard = import_fully_shard()
-    if isinstance(fully_shard, str):
-        return  # train_fsdp2 records why
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -267,8 +267,7 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         train_ddp(rank, world_size, Path(out_dir))
         ddp_broadcasts_a_key_bias_written_per_rank(rank, world_size, Path(out_dir))
-        train_fsdp2(rank, world_size, Path(out_dir))
-        if not (Path(out_dir) / "fsdp2-unsupported.txt").exists():
+        if train_fsdp2(rank, world_size, Path(out_dir)):
             fsdp2_deferred_init_and_gradients_as_stock(rank, world_size, Path(out_dir))
     finally:
         dist.destroy_process_group()
