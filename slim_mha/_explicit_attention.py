@@ -70,9 +70,8 @@ def attention_with_weights(
     )
     plan = plan_weights_path(q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph)
     check_weights_fit(q, k.shape[2], plan)  # before any (B, H, L, S)
-    if plan.functional:
-        assert not q_scaled, "scaled queries come only without a graph"
-        return _attention_functional(q, k, v, mask, dropout_p, average)
+    if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad
+        return _attention_functional(q, k, v, mask, dropout_p, average, q_scaled)
     if plan.rows < q.shape[2]:
         return _attention_averaged_in_blocks(q, k, v, mask, plan.rows, q_scaled=q_scaled)
     return _attention_in_one_pass(q, k, v, mask, average, q_scaled)
@@ -99,13 +98,13 @@ def _attention_in_one_pass(
 
 
 def _attention_functional(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool, q_scaled: bool = False
 ) -> tuple[Tensor, Tensor]:
     """For autograd, dropout, ``torch.func`` transforms and compilers: no ``out=``, in place only where safe."""
     B, H, L, D = q.shape
     S = k.shape[2]
     # bmm on (B·H)-batches, reshaped here once (matmul on 4-D views would fold them with more ops)
-    scaled = (q * math.sqrt(1.0 / float(D))).reshape(B * H, L, D)
+    scaled = (q if q_scaled else q * math.sqrt(1.0 / float(D))).reshape(B * H, L, D)
     scores = torch.bmm(scaled, k.reshape(B * H, S, D).transpose(1, 2)).view(B, H, L, S)
     if mask is not None:
         # In place saves a (B, H, L, S) tensor and is safe under autograd (matmul's backward does not

@@ -174,3 +174,24 @@ def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mo
     for context in (torch.inference_mode, torch.no_grad, torch.inference_mode):
         with context():
             assert_close_scaled(slim(x, x, x)[1], stock(x, x, x)[1], "weights")
+
+
+def test_stock_head_split_with_only_the_mask_and_appended_tokens_needing_grad_matches_stock():
+    """Frozen projections, a learned mask and trainable appended tokens: the queries come scaled from
+    stock's head split while the weights path records a graph."""
+    torch.manual_seed(0)
+    stock = STOCK_MHA(16, 4, add_bias_kv=True, batch_first=True)
+    slim = SlimMultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    slim.load_state_dict(stock.state_dict())
+    for module in (stock, slim):
+        for name, parameter in module.named_parameters():
+            parameter.requires_grad_(name.startswith("bias_"))
+    x = torch.randn(2, 5, 16)
+    results = []
+    for module in (stock, slim):
+        mask = torch.zeros(5, 5, requires_grad=True)
+        out, weights = module(x, x, x, attn_mask=mask)
+        (out.sum() + weights.sum()).backward()
+        results.append((out.detach(), weights.detach(), mask.grad, module.bias_k.grad))
+    for actual, expected in zip(results[1], results[0]):
+        assert_close_scaled(actual, expected)
