@@ -31,7 +31,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-from ._inputs import identity, opened_for_library, outside_source
+from ._inputs import identity, opened_for_library, outside_source, resolved_input
 from ._text import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
@@ -208,7 +208,7 @@ def find_companions(
         elif name.endswith(WEIGHT_SUFFIXES):
             skipped.append(f"did not copy {shown(name)}: a weight file this run does not convert")
         elif entry.is_symlink() and not follow_outside_links and (
-            outside := outside_source(Path(os.path.realpath(path)), root)
+            outside := outside_source(resolved_input(path), root)
         ) is not None:
             skipped.append(
                 f"did not copy {shown(name)}: a symbolic link that leads outside SRC, to {shown(outside)} "
@@ -236,7 +236,7 @@ def _resolved(path: Path, parents: dict[str, str]) -> Path:
     path = os.fspath(path)
     folder, name = os.path.split(path)
     if name in ("", ".", "..") or os.path.islink(path):
-        return Path(os.path.realpath(path))
+        return resolved_input(Path(path))
     if folder not in parents:  # resolved as spelled: realpath, not abspath, gets "link/.." right
         parents[folder] = os.path.realpath(folder or ".")
     return Path(os.path.join(parents[folder], name))

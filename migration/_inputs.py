@@ -108,7 +108,7 @@ def open_input(path: Path, root: Path | None, *, follow_outside_links: bool = Fa
     except OSError as exc:
         raise InputProblem(path, f"cannot be read ({exc.strerror or exc})") from None
     if stat.S_ISLNK(info.st_mode):
-        target = Path(os.path.realpath(path))
+        target = resolved_input(path)
         if root is not None and not follow_outside_links and (outside := outside_source(target, root)):
             raise _leaving(path, outside)
         try:
@@ -143,6 +143,19 @@ def open_input(path: Path, root: Path | None, *, follow_outside_links: bool = Fa
         path, descriptor, opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns,
         stat.S_IMODE(opened.st_mode) & 0o777,
     )
+
+
+def resolved_input(path: Path) -> Path:
+    """``realpath(path)`` for a file of SRC. ``os.path.realpath`` reads a link that its ``lstat`` just
+    found, and a link replaced by a file in between makes that read fail (``EINVAL``): that is SRC
+    changing under the run, said so in one line naming the file."""
+    try:
+        return Path(os.path.realpath(path))
+    except OSError:
+        raise InputProblem(
+            path, "changed while this run resolved it (a symbolic link was replaced); rerun when nothing writes to SRC",
+            complete=True,
+        ) from None
 
 
 @contextlib.contextmanager
@@ -217,4 +230,5 @@ def _kind(mode: int) -> str:
 
 __all__ = [
     "InputProblem", "OpenedFile", "hub_blobs", "identity", "open_input", "opened_for_library", "outside_source",
+    "resolved_input",
 ]

@@ -123,6 +123,28 @@ def test_a_companion_flipping_to_a_link_to_a_secret_never_copies_it(tmp_path, ve
     assert _litter(tmp_path) == []
 
 
+def test_a_link_replaced_while_it_is_resolved_is_named_in_one_line(tmp_path, monkeypatch):
+    """os.path.realpath reads a link its lstat just found; a file swapped in between makes that read
+    fail with EINVAL (seen in the loop above, about once in a few hundred flips): the run names the
+    file and writes nothing, whichever step was resolving it."""
+    model = _model(tmp_path / "model")
+    (tmp_path / "readme").write_text("public readme\n")
+    os.symlink(tmp_path / "readme", model / "README.md")
+    real_realpath = os.path.realpath
+
+    def flipped_under_readlink(path, *args, **kwargs):
+        if os.fspath(path).endswith("README.md"):
+            raise OSError(22, "Invalid argument", os.fspath(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", flipped_under_readlink)
+    with pytest.raises(ValueError) as refused:
+        fold_checkpoint(model, tmp_path / "out", follow_outside_links=True)
+    assert str(refused.value).startswith(str(model / "README.md")), str(refused.value)
+    assert "changed while this run resolved it" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists() and _litter(tmp_path) == []
+
+
 def test_a_shard_flipping_to_a_link_outside_never_brings_outside_bytes(tmp_path):
     model = _model(tmp_path / "model")
     _model(tmp_path / "other", scale=3.0)  # the same layout, other values
