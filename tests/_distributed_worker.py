@@ -269,5 +269,6 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
         ddp_broadcasts_a_key_bias_written_per_rank(rank, world_size, Path(out_dir))
         if train_fsdp2(rank, world_size, Path(out_dir)):
             fsdp2_deferred_init_and_gradients_as_stock(rank, world_size, Path(out_dir))
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
