@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
