@@ -28,11 +28,16 @@ from torch import Tensor
 from ._memory_guard import check_weights_fit, rows_per_block
 from ._torch_compat import is_capturing_or_transforming, is_symbolic_call
 
-__all__ = ["WeightsPlan", "attention_with_weights", "plan_weights_path"]
+__all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path"]
 
 # Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
 # most this many bytes of scores even where one pass fits; None: the memory guard decides.
 _BLOCK_SCORES_BYTES: int | None = None
+
+
+def blocks_forced() -> bool:
+    """Whether averaged weights are forced into blocks (tests, ``bench weights --blocks``)."""
+    return _BLOCK_SCORES_BYTES is not None
 
 
 class WeightsPlan(NamedTuple):
@@ -94,7 +99,7 @@ def _attention_in_one_pass(
         scores.add_(mask)
     torch.softmax(scores, dim=-1, out=scores)
     out = torch.bmm(scores.view(B * H, L, S), _matrices(v), out=scaled)  # q's copy is free once scored
-    return out.view(B, H, L, D), _mean_over_heads(scores) if average else scores
+    return out.view(B, H, L, D), mean_over_heads(scores) if average else scores
 
 
 def _attention_functional(
@@ -140,7 +145,7 @@ def _attention_averaged_in_blocks(
             scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])
         torch.softmax(scores, dim=-1, out=scores)
         out[:, :, block] = torch.bmm(scores.view(B * H, block_rows, S), v_matrices).view(B, H, block_rows, D)
-        weights[:, block] = _mean_over_heads(scores)
+        weights[:, block] = mean_over_heads(scores)
         del scores  # freed before the next block's scores are allocated, which then reuse its memory
     return out, weights
 
@@ -163,7 +168,7 @@ def _matrices(x: Tensor) -> Tensor:
     return matrices
 
 
-def _mean_over_heads(weights: Tensor) -> Tensor:
+def mean_over_heads(weights: Tensor) -> Tensor:
     """``(B, H, L, S)`` -> ``(B, L, S)``, as one batched matrix-vector product with ``1/H``.
 
     ``mean(dim=1)`` makes three passes over the weights (zero the result, sum into it, divide it);

@@ -70,7 +70,7 @@ from torch import Tensor
 
 from ._torch_compat import is_capturing_graph
 
-__all__ = ["available_bytes", "check_weights_fit", "rows_per_block", "weights_path_bytes"]
+__all__ = ["available_bytes", "below_checked_size", "check_weights_fit", "rows_per_block", "weights_path_bytes"]
 
 # Requests below this are not checked: reading the limits costs tens of microseconds, a rounding
 # error next to writing 256 MiB of scores, and smaller requests are not where memory runs out.
@@ -93,6 +93,12 @@ def check_weights_fit(q: Tensor, src_len: int, plan) -> None:
     needed, what = weights_path_bytes(q, src_len, plan)
     if needed >= _CHECK_ABOVE_BYTES:
         _refuse_if_too_large(q, src_len, needed, what)
+
+
+def below_checked_size(batch: int, heads: int, tgt_len: int, src_len: int, itemsize: int) -> bool:
+    """Whether weights without a graph for these sizes are too small to check: every head's scores
+    and their average, held at once, stay below :data:`_CHECK_ABOVE_BYTES`, so one pass always runs."""
+    return batch * (heads + 1) * tgt_len * src_len * itemsize < _CHECK_ABOVE_BYTES
 
 
 def weights_path_bytes(q: Tensor, src_len: int, plan) -> tuple[int, str]:
@@ -121,7 +127,7 @@ def rows_per_block(q: Tensor, src_len: int) -> int:
     equal as possible whose scores and the averaged weights take at most half of it (at least one
     row: :func:`check_weights_fit` then refuses what even that cannot fit)."""
     B, H, L, _ = q.shape
-    if B * (H + 1) * L * src_len * q.element_size() < _CHECK_ABOVE_BYTES or is_capturing_graph() or not _allocates(q):
+    if below_checked_size(B, H, L, src_len, q.element_size()) or is_capturing_graph() or not _allocates(q):
         return L
     itemsize = _result_dtype(q).itemsize
     averaged = B * L * src_len * itemsize

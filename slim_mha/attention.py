@@ -8,10 +8,18 @@ from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import attention_with_weights
+from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads
+from ._memory_guard import below_checked_size
 from ._stock_checks import attention_mask, is_batched_mha_input
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
-from ._torch_compat import STOCK_MHA, fx_proxy_of, is_capturing_or_transforming, is_symbolic_call, stock_head_split
+from ._torch_compat import (
+    STOCK_MHA,
+    fx_proxy_of,
+    is_capturing_or_transforming,
+    is_symbolic_call,
+    stock_head_split,
+    stock_kernel_with_head_weights,
+)
 from .bias import key_bias, restore_stock_layout, without_key_bias
 from .equivariance import _mode as _equivariance
 
@@ -36,6 +44,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     * **Lean path.** One fused input projection; heads are split as views in the caller's layout;
       ``scaled_dot_product_attention`` whenever weights are not requested; no ``batch_first``
       transposes and no packed-projection copies.
+    * **Stock's kernel for stock's default call.** Batch-first self-attention that returns weights,
+      without masks or a graph, runs stock's native kernel with ``[b_q; 0; b_v]`` (where stock's
+      fast path would run it), and averages the heads' weights in one batched product.
 
     New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
     and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
@@ -117,6 +128,12 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
+        if need_weights and query is key and key is value and key_padding_mask is None and attn_mask is None:
+            # Stock's default call, checked first and in one place: every line before the kernel
+            # costs several times its idle price here, right after the previous call's large ops.
+            result = self._attend_by_stock_kernel(query, average_attn_weights, is_causal)
+            if result is not None:
+                return result
         call = AttentionCall(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
@@ -132,6 +149,66 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
             _equivariance.check_call(self, result, call)
         return result
+
+    def _attend_by_stock_kernel(self, query: Tensor, average: bool, is_causal: bool) -> tuple[Tensor, Tensor] | None:
+        """Self-attention with weights and no masks, where stock's fast path would take its native
+        kernel: that kernel, given ``[b_q; 0; b_v]``, then slim's average over heads; else ``None``.
+
+        Stock's kernel is the floor for this call (it writes the weights it must return and nothing
+        more); what slim saves is Python before it, and stock's average over heads (three passes
+        over the weights) becomes one batched product.
+        Calls it does not take are every case stock's fast path refuses, and every call slim handles
+        itself: options, traces and transforms, sizes the memory guard checks, nothing to attend.
+        """
+        # Dict reads, not attribute reads: nn.Module.__getattr__ costs ten times as much. A
+        # parametrized projection is no longer in _parameters and is left to the general path.
+        parameters = self._parameters
+        weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
+        out_proj = self._modules.get("out_proj")
+        if weight is None or bias is None or out_proj is None:
+            return None
+        out_weight, out_bias = out_proj._parameters.get("weight"), out_proj._parameters.get("bias")
+        if (
+            is_causal  # without a mask: stock's error, from the general path
+            or out_weight is None
+            or out_bias is None
+            # The module: what stock's fast path refuses, and slim's own options.
+            or not self.batch_first
+            or self.num_heads % 2
+            or self.bias_k is not None
+            or self.bias_v is not None
+            or self.add_zero_attn
+            or (self.training and self.dropout > 0.0)
+            or self.check_equivariance
+            or _equivariance.SWITCH.active
+            or self.skip_unread_weights
+            # The call: a real batched tensor, outside traces and transforms (checked before the
+            # torch calls below, so that Dynamo and the tracers never reach them).
+            or type(query) is not Tensor
+            or is_symbolic_call(query)
+            or query.dim() != 3
+            or query.is_nested
+            or query.device.type not in ("cpu", "cuda")
+            or not query.dtype == weight.dtype == bias.dtype == out_weight.dtype == out_bias.dtype
+            or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
+                                             or out_weight.requires_grad or out_bias.requires_grad))
+            or torch.is_autocast_enabled(query.device.type)
+            or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
+            or torch.overrides.has_torch_function((weight, bias, out_weight, out_bias))
+            or blocks_forced()
+        ):
+            return None
+        batch, length, embed_dim = query.shape
+        if (
+            embed_dim != self.embed_dim
+            or batch * length == 0
+            or not below_checked_size(batch, self.num_heads, length, length, query.element_size())
+        ):
+            return None
+        out, weights = stock_kernel_with_head_weights(
+            query, self.num_heads, weight, without_key_bias(bias, embed_dim), out_weight, out_bias
+        )  # (B, L, E), (B, H, L, L)
+        return out, mean_over_heads(weights) if average else weights
 
     def _attend(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call

@@ -157,7 +157,7 @@ def test_one_pass_is_taken_for_large_scores_where_memory_suffices(monkeypatch):
 
 def test_the_comparison_fails_on_a_wrong_average(monkeypatch):
     """The check can fail: weights summed over heads instead of averaged, on the one-pass path."""
-    monkeypatch.setattr(explicit, "_mean_over_heads", lambda scores: scores.sum(dim=1))
+    monkeypatch.setattr(explicit, "mean_over_heads", lambda scores: scores.sum(dim=1))
     with pytest.raises(AssertionError, match="weights: max error"):
         compare("self", "none", "none", "one_pass", monkeypatch)
 

@@ -1,0 +1,311 @@
+"""Stock's kernel for stock's default call: which calls take it, and every one against stock.
+
+Batch-first self-attention that returns weights, without masks and without a graph, runs stock's
+native kernel (``torch._native_multi_head_attention``) with the bias ``[b_q; 0; b_v]`` and averages
+the heads in slim (``SlimMultiheadAttention._attend_by_stock_kernel``). Every other call takes the
+general path. Each test here counts the kernel's calls, so a call that silently changes path fails,
+and compares the result with stock ``nn.MultiheadAttention`` built from the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
+from torch.nn.utils import parametrize
+
+import slim_mha.attention as attention
+from slim_mha import SlimMultiheadAttention
+from slim_mha import _explicit_attention as explicit
+from slim_mha import _memory_guard as guard
+
+BATCH, LENGTH, EMBED, HEADS = 3, 6, 16, 4
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list:
+    """Every call of stock's kernel from slim, recorded."""
+    calls = []
+    real = attention.stock_kernel_with_head_weights
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "stock_kernel_with_head_weights", counted)
+    return calls
+
+
+def modules(heads: int = HEADS, dtype: torch.dtype = torch.float32, **options) -> tuple:
+    options = {"batch_first": True, **options}
+    stock = randomize_parameters(STOCK_MHA(EMBED, heads, dtype=dtype, **options))  # the key slot included
+    slim = SlimMultiheadAttention(EMBED, heads, dtype=dtype, **options)
+    slim.load_state_dict(stock.state_dict())
+    return stock.eval(), slim.eval()
+
+
+def tokens(dtype: torch.dtype = torch.float32, *shape: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(*(shape or (BATCH, LENGTH, EMBED)), generator=generator, dtype=torch.float64).to(dtype)
+
+
+def assert_like_stock(stock, slim, *args, **kwargs) -> None:
+    expected, actual = stock(*args, **kwargs), slim(*args, **kwargs)
+    assert_close_scaled(actual[0], expected[0])
+    if expected[1] is None:
+        assert actual[1] is None
+    else:
+        assert_close_scaled(actual[1], expected[1], "weights")
+
+
+# ---------------------------------------------------------------------------- calls that take it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
+def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(dtype, average, context, kernel_calls):
+    stock, slim = modules(dtype=dtype)
+    x = tokens(dtype)
+    with getattr(torch, context)():
+        assert_like_stock(stock, slim, x, x, x, average_attn_weights=average)
+    assert len(kernel_calls) == 1
+    bias = kernel_calls[0][3]
+    assert torch.equal(bias[EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))  # the key bias never reaches it
+    assert torch.equal(bias[:EMBED], slim.in_proj_bias[:EMBED]) and torch.equal(bias[2 * EMBED :], slim.in_proj_bias[2 * EMBED :])
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["frozen parameters, grad enabled", "training without dropout", "heads of 2", "a non-contiguous query", "fp64 sizes"],
+)
+def test_other_calls_stocks_fast_path_would_take_take_it_too(case, kernel_calls):
+    stock, slim = modules(heads=2 if case == "heads of 2" else HEADS)
+    x = tokens()
+    context = torch.no_grad()
+    if case == "frozen parameters, grad enabled":
+        for module in (stock, slim):
+            module.requires_grad_(False)
+        context = contextlib.nullcontext()
+    elif case == "training without dropout":
+        slim.train()  # stock's fast path refuses training; its Python path computes the same function
+    elif case == "a non-contiguous query":
+        x = tokens(torch.float32, LENGTH, BATCH, EMBED).transpose(0, 1)
+    elif case == "fp64 sizes":
+        stock, slim = stock.double(), slim.double()
+        x = x.double()
+    with context:
+        assert_like_stock(stock, slim, x, x, x)
+    assert len(kernel_calls) == 1
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e6])
+def test_whatever_the_key_slot_holds_the_output_is_stocks_without_it(poison, kernel_calls):
+    stock, slim = modules()
+    with torch.no_grad():
+        stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0  # stock's function is the same for every key bias
+        slim.in_proj_bias[EMBED : 2 * EMBED] = poison
+        x = tokens()
+        assert_like_stock(stock, slim, x, x, x)
+    assert len(kernel_calls) == 1
+
+
+def test_writes_to_the_parameters_between_calls_are_seen(kernel_calls):
+    """Nothing derived from the parameters is kept: EMA's ``p.data`` writes, a dtype change after a call."""
+    stock, slim = modules()
+    x = tokens()
+    with torch.no_grad():
+        slim(x, x, x)
+        for module in (stock, slim):
+            for parameter in module.parameters():
+                parameter.data.mul_(0.5).add_(0.25)  # an EMA step, through .data (no version bump)
+        assert_like_stock(stock, slim, x, x, x)
+        stock, slim, x = stock.double(), slim.double(), x.double()
+        assert_like_stock(stock, slim, x, x, x)
+    assert len(kernel_calls) == 3
+
+
+def test_a_copy_and_a_state_dict_round_trip_take_it_and_agree(kernel_calls):
+    stock, slim = modules()
+    twin = SlimMultiheadAttention(EMBED, HEADS, batch_first=True).eval()
+    twin.load_state_dict(slim.state_dict())
+    x = tokens()
+    with torch.inference_mode():
+        results = [module(x, x, x) for module in (slim, copy.deepcopy(slim), twin)]
+    for result in results[1:]:
+        assert torch.equal(result[0], results[0][0]) and torch.equal(result[1], results[0][1])
+    assert len(kernel_calls) == 3
+
+
+# ---------------------------------------------------------------------- calls that must not take it
+
+
+def _masks():
+    padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+    padding[0, -2:] = True
+    causal = torch.triu(torch.ones(LENGTH, LENGTH, dtype=torch.bool), diagonal=1)
+    return padding, causal
+
+
+GENERAL_PATH = [
+    "odd heads", "sequence first", "key padding mask", "bool attn_mask", "float attn_mask", "causal mask",
+    "cross attention", "shared key and value", "graph recorded", "add_bias_kv", "add_zero_attn",
+    "kdim and vdim", "no biases", "autocast", "fast path disabled", "unbatched", "need_weights=False",
+]
+
+
+@pytest.mark.parametrize("case", GENERAL_PATH)
+def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(case, kernel_calls):
+    options = {
+        "add_bias_kv": {"add_bias_kv": True}, "add_zero_attn": {"add_zero_attn": True},
+        "kdim and vdim": {"kdim": 10, "vdim": 6}, "no biases": {"bias": False},
+        "sequence first": {"batch_first": False},
+    }.get(case, {})
+    stock, slim = _odd_head_modules() if case == "odd heads" else modules(**options)
+    x = tokens(torch.float32, BATCH, LENGTH, 15) if case == "odd heads" else tokens()
+    query = key = value = x
+    kwargs, context = {}, torch.no_grad()
+    padding, causal = _masks()
+    if case == "sequence first":
+        query = key = value = x.transpose(0, 1).contiguous()
+    elif case == "key padding mask":
+        kwargs["key_padding_mask"] = padding
+    elif case == "bool attn_mask":
+        kwargs["attn_mask"] = causal
+    elif case == "float attn_mask":
+        kwargs["attn_mask"] = torch.zeros(LENGTH, LENGTH).masked_fill(causal, float("-inf"))
+    elif case == "causal mask":
+        kwargs.update(attn_mask=causal, is_causal=True)
+    elif case == "cross attention":
+        key = value = tokens(torch.float32, BATCH, LENGTH + 2, EMBED)
+    elif case == "shared key and value":
+        key = value = x.clone()
+    elif case == "graph recorded":
+        context = contextlib.nullcontext()
+    elif case == "kdim and vdim":
+        key, value = torch.randn(BATCH, LENGTH, 10), torch.randn(BATCH, LENGTH, 6)
+    elif case == "autocast":
+        context = torch.autocast("cpu", dtype=torch.bfloat16)
+    elif case == "unbatched":
+        query = key = value = x[0]
+    elif case == "need_weights=False":
+        kwargs["need_weights"] = False
+    with context, _fast_path_enabled(case != "fast path disabled"):
+        if case == "autocast":
+            with torch.no_grad():
+                slim(query, key, value, **kwargs)  # autocast's rounding: compared with stock in test_compile_export
+        else:
+            assert_like_stock(stock, slim, query, key, value, **kwargs)
+    assert kernel_calls == []
+
+
+def _odd_head_modules():
+    stock = randomize_parameters(STOCK_MHA(15, 5, batch_first=True))
+    slim = SlimMultiheadAttention(15, 5, batch_first=True)
+    slim.load_state_dict(stock.state_dict())
+    return stock.eval(), slim.eval()
+
+
+@contextlib.contextmanager
+def _fast_path_enabled(enabled: bool):
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+
+
+SLIM_OWN = [
+    "dropout in training", "equivariance check", "skip unread weights", "memory guard sizes", "forced blocks",
+    "parametrized bias", "vmap", "jit.trace", "tensor subclass", "empty batch", "nested",
+]
+
+
+@pytest.mark.parametrize("case", SLIM_OWN)
+def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, monkeypatch):
+    stock, slim = modules()
+    x = tokens()
+    with torch.no_grad():
+        if case == "dropout in training":
+            slim.dropout = 0.5
+            slim.train()
+            out, weights = slim(x, x, x)
+            assert out.shape == (BATCH, LENGTH, EMBED) and weights.shape == (BATCH, LENGTH, LENGTH)
+        elif case == "equivariance check":
+            slim.check_equivariance = True
+            assert_like_stock(stock, slim, x, x, x)
+        elif case == "skip unread weights":
+            slim.skip_unread_weights = True
+            out, weights = slim(x, x, x)  # read: computed by the general path
+            assert_close_scaled(weights, stock(x, x, x)[1], "weights")
+        elif case == "memory guard sizes":
+            monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # every request is checked: the guard's path
+            assert_like_stock(stock, slim, x, x, x)
+        elif case == "forced blocks":
+            monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", 1)
+            assert_like_stock(stock, slim, x, x, x)
+        elif case == "parametrized bias":
+            for module in (stock, slim):
+                parametrize.register_parametrization(module, "in_proj_bias", _Halved())
+            assert_like_stock(stock, slim, x, x, x)
+        elif case == "vmap":
+            batched = torch.func.vmap(lambda t: slim(t, t, t))(x.unsqueeze(1))
+            expected = stock(x, x, x)
+            assert_close_scaled(batched[0].squeeze(1), expected[0])
+            assert_close_scaled(batched[1].squeeze(1), expected[1], "weights")
+        elif case == "jit.trace":
+            traced = torch.jit.trace(slim, (x, x, x), check_trace=False)
+            assert_close_scaled(traced(x, x, x)[0], stock(x, x, x)[0])
+        elif case == "tensor subclass":
+            assert_like_stock(stock, slim, *(x.as_subclass(_Tagged),) * 3)
+        elif case == "empty batch":
+            empty = torch.randn(0, LENGTH, EMBED)
+            out, weights = slim(empty, empty, empty)  # stock's own head split would crash on it
+            assert out.shape == (0, LENGTH, EMBED) and weights.shape == (0, LENGTH, LENGTH)
+        elif case == "nested":
+            nested = torch.nested.nested_tensor([torch.randn(4, EMBED), torch.randn(6, EMBED)])
+            out, _ = slim(nested, nested, nested, need_weights=False)
+            assert out.is_nested
+    assert kernel_calls == []
+
+
+class _Halved(torch.nn.Module):
+    def forward(self, bias: torch.Tensor) -> torch.Tensor:
+        return bias * 0.5
+
+
+class _Tagged(torch.Tensor):
+    """A subclass with its own ``__torch_function__``, as tensor-wrapping libraries define."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+# -------------------------------------------------------------------------------- the check fails
+
+
+def test_the_comparison_fails_on_a_wrong_average_of_the_kernels_weights(kernel_calls, monkeypatch):
+    monkeypatch.setattr(attention, "mean_over_heads", lambda weights: weights.sum(dim=1))
+    stock, slim = modules()
+    x = tokens()
+    with torch.no_grad(), pytest.raises(AssertionError, match="weights"):
+        assert_like_stock(stock, slim, x, x, x)
+    assert len(kernel_calls) == 1
+
+
+def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, monkeypatch):
+    """With a key bias of 1e6 in the kernel's bias, the scores lose their precision: the check sees it."""
+    monkeypatch.setattr(attention, "without_key_bias", lambda bias, embed_dim: bias)
+    stock, slim = modules()
+    with torch.no_grad():
+        stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0
+        slim.in_proj_bias[EMBED : 2 * EMBED] = 1e6
+        x = tokens()
+        with pytest.raises(AssertionError):
+            assert_like_stock(stock, slim, x, x, x)
+    assert len(kernel_calls) == 1
