@@ -301,3 +301,21 @@ def test_memory_axis_ticks_are_plain_mib():
     plt.close(figure)
     assert {"0.5", "1", "2", "5", "10", "20", "50", "100"} <= labels
     assert not any("10^" in label or "times" in label or "×" in label for label in labels), labels
+
+
+def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_ratio_of_one():
+    """The weights verdict and the memory target say how far above stock a peak is, in KiB."""
+    shapes = [{"paired_ratios": {"stock_over_slim": {"median": 1.01}, "slim_over_floor": {"median": 0.95}},
+               "peak_bytes": {"stock": 9 << 20, "slim": (9 << 20) + extra}} for extra in (0, 3072)]
+    verdict = weights_command.format_verdict(shapes, busy=0)
+    assert "peak memory slim <= stock: 1/2 shapes, slim at most 3.0 KiB above stock" in verdict
+    assert "KiB" not in weights_command.format_verdict(shapes[:1], busy=0)
+    case = {"mode": "inference", "dtype": "fp32"}
+    results = [{"name": f"case {extra}", "case": case, "agrees": True, "relative_error": {"slim": 1e-7},
+                "ratios": {"stock_over_floor": 1.0},
+                "paired_ratios": {"stock_over_slim": {"median": 1.0}, "slim_over_floor": {"median": 1.0}},
+                "memory": {"stock": {"peak_bytes": 9 << 20}, "slim": {"peak_bytes": (9 << 20) + extra}}}
+               for extra in (0, 3072)]
+    memory = next(check for check in report.evaluate_targets(results, "cpu") if "memory" in check.target)
+    assert (memory.met, memory.total) == (1, 2)
+    assert memory.detail == "worst 1.0003 at case 3072, slim at most 3.0 KiB above stock"

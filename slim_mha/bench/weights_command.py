@@ -25,7 +25,7 @@ from .cases import TARGET_SHAPES, Case, parse_shape
 from .contenders import Contender, build_contenders, output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
-from .report import write_json
+from .report import _excess_text, write_json
 from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment, measure_step_memory
 from .timing import measure
 
@@ -161,12 +161,13 @@ def format_verdict(results: list[dict], busy: int) -> str:
     speed = [result["paired_ratios"]["stock_over_slim"]["median"] for result in results]
     floor = [result["paired_ratios"]["slim_over_floor"]["median"] for result in results]
     memory = [result["peak_bytes"]["slim"] <= result["peak_bytes"]["stock"] for result in results]
+    excess = max(result["peak_bytes"]["slim"] - result["peak_bytes"]["stock"] for result in results)
     return "\n".join([
         f"stock/slim (paired) >= {least:.2f} {'quiet' if busy == 0 else 'beside busy processes'}: "
         f"{sum(ratio >= least for ratio in speed)}/{len(results)} shapes (least {min(speed):.3f}x)",
         f"slim/floor (paired) <= 1.05: {sum(ratio <= 1.05 for ratio in floor)}/{len(results)} shapes "
         f"(most {max(floor):.3f}x)",
-        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes",
+        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes{_excess_text(excess)}",
     ])
 
 
