@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from slim_mha.bench import __main__ as bench
 from slim_mha.bench import correctness, detr_command, report, run_command, scale_command, weights_command
@@ -264,18 +265,18 @@ def test_weights_command_times_stock_slim_the_floor_and_blocks_and_restores_the_
     from slim_mha import _explicit_attention as explicit
 
     path = tmp_path / "weights.json"
-    argv = ["weights", "--shape", "2x16x32x4", "--blocks", "2", "--repeats", "2", "--warmup", "1",
+    argv = ["weights", "--shape", "2x16x32x4", "--blocks", "2", "--one-pass", "--repeats", "2", "--warmup", "1",
             "--min-sample-ms", "0", "--json", str(path)]
     assert bench.main(argv) == 0
-    assert explicit._BLOCK_SCORES_BYTES is None
+    assert explicit._BLOCK_SCORES_BYTES is None and torch.backends.mha.get_fastpath_enabled()
     out = capsys.readouterr().out
-    for label in ("stock/slim", "slim/floor", "stock/blocks", "ratio of medians; paired", "peak MiB"):
+    for label in ("stock/slim", "slim/floor", "stock/blocks", "stock/one_pass", "ratio of medians; paired", "peak MiB"):
         assert label in out
     assert "stock/slim (paired) >= 1.00 quiet: " in out and "peak memory slim <= stock: " in out
     assert [line for line in out.splitlines() if len(line) >= 100] == []
     result = json.loads(path.read_text())["results"][0]
-    assert set(result["median_ms"]) == set(result["peak_bytes"]) == {"stock", "slim", "floor", "blocks"}
-    assert set(result["paired_ratios"]) == {"stock_over_slim", "slim_over_floor", "stock_over_blocks"}
+    assert set(result["median_ms"]) == set(result["peak_bytes"]) == {"stock", "slim", "floor", "blocks", "one_pass"}
+    assert set(result["paired_ratios"]) == {"stock_over_slim", "slim_over_floor", "stock_over_blocks", "stock_over_one_pass"}
     assert max(result["relative_error"].values()) < 1e-4  # every path computes what stock does
 
 

@@ -1,14 +1,15 @@
 """``python -m slim_mha.bench weights``: inference with averaged weights, stock's default call.
 
-Times stock (its native kernel), slim and the floor (the bare score matmul, softmax, value matmul
-and mean over heads, with the projections: ``contenders.py``) interleaved, at the shapes of every
-weights case of the quick matrix, beside ``--busy`` busy processes, with the allocator warm, cold
-or as inherited (``allocator.py``). Prints stock/slim and slim/floor both as the ratio of the
-medians and as the median (with quartiles) of the per-repeat ratio, and each contender's peak
-memory. ``--blocks N`` also times slim forced into N blocks of query rows, the path it takes only
-where one pass does not fit in memory (``--min-sample-ms 0`` times single calls, as a plain loop
-would).
-"""
+Times stock (its native kernel), slim (the same kernel given ``[b_q; 0; b_v]``, then its own
+average over heads) and the floor (the bare score matmul, softmax, value matmul and mean over
+heads, with the projections: ``contenders.py``) interleaved, at the shapes of every weights case of
+the quick matrix, beside ``--busy`` busy processes, with the allocator warm, cold or as inherited
+(``allocator.py``). Prints stock/slim and slim/floor both as the ratio of the medians and as the
+median (with quartiles) of the per-repeat ratio, and each contender's peak memory. ``--one-pass``
+also times slim's own one-pass path, which it takes where stock's kernel does not apply (masks,
+odd head counts, sequence-first inputs); ``--blocks N`` slim forced into N blocks of query rows,
+the path it takes only where one pass does not fit in memory (``--min-sample-ms 0`` times single
+calls, as a plain loop would)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ __all__ = ["DEFAULT_SHAPES", "add_parser", "run"]
 # The quick matrix's weights shapes and the smallest of its sweep: where stock's native kernel is
 # the floor, so slim has the least room.
 DEFAULT_SHAPES = (*TARGET_SHAPES, (16, 64, 256, 8))
-_PAIRS = (("stock", "slim"), ("slim", "floor"), ("stock", "blocks"))
+_PAIRS = (("stock", "slim"), ("slim", "floor"), ("stock", "blocks"), ("stock", "one_pass"))
 _EXAMPLES = """\
 examples:
   python -m slim_mha.bench weights                       # the default shapes, quiet
   python -m slim_mha.bench weights --busy 1 --repeats 21  # beside one busy process
   python -m slim_mha.bench weights --shape 4x512x512x8 --blocks 2 --threads 1
+  python -m slim_mha.bench weights --one-pass             # slim's own path beside stock's kernel
   python -m slim_mha.bench weights --busy 2 --allocator inherited --min-sample-ms 0 --warmup 0
 """
 
@@ -65,6 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--blocks", type=int, default=0, metavar="N", help="also time slim forced into N blocks of query rows"
+    )
+    parser.add_argument(
+        "--one-pass", action="store_true",
+        help="also time slim's own one-pass path, which it takes where stock's kernel does not apply",
     )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)", cold=False)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -94,6 +100,23 @@ def _in_blocks(slim: Contender, shape: tuple[int, int, int, int], blocks: int) -
     return Contender("blocks", step, forced(slim.forward), slim.parameters, slim.reset, slim.external)
 
 
+def _in_one_pass(slim: Contender) -> Contender:
+    """Slim on its own path: stock's fast path switched off around its calls, which slim follows."""
+
+    def own_path(call):
+        def run_own_path():
+            enabled = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            try:
+                return call()
+            finally:
+                torch.backends.mha.set_fastpath_enabled(enabled)
+
+        return run_own_path
+
+    return Contender("one_pass", own_path(slim.step), own_path(slim.forward), slim.parameters, slim.reset, slim.external)
+
+
 def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
     device = torch.device("cpu")
     load_before = _load_average()
@@ -101,6 +124,8 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
     contenders = build_contenders(case, device, seed=settings.seed)
     if args.blocks:
         contenders["blocks"] = _in_blocks(contenders["slim"], shape, args.blocks)
+    if args.one_pass:
+        contenders["one_pass"] = _in_one_pass(contenders["slim"])
     with torch.inference_mode():
         outputs = {name: contender.forward() for name, contender in contenders.items()}
     errors = {name: output_error(outputs["stock"], outputs[name]) for name in contenders if name != "stock"}
