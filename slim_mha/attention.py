@@ -156,9 +156,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         Stock's kernel is the floor for this call (it writes the weights it must return and nothing
         more); what slim saves is Python before it, and stock's average over heads (three passes
-        over the weights) becomes one batched product.
-        Calls it does not take are every case stock's fast path refuses, and every call slim handles
-        itself: options, traces and transforms, sizes the memory guard checks, nothing to attend.
+        over the weights) becomes one batched product. The price is the ``3E``-element bias, built
+        for each call. Calls it does not take are every case stock's fast path refuses, and every
+        call slim handles itself: options, traces and transforms, sizes the memory guard checks,
+        nothing to attend.
         """
         # Dict reads, not attribute reads: nn.Module.__getattr__ costs ten times as much. A
         # parametrized projection is no longer in _parameters and is left to the general path.
