@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
-from ._torch_compat import is_capturing_or_transforming, is_symbolic_call
+from ._torch_compat import is_symbolic_call
 
 __all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path"]
 
@@ -111,11 +111,13 @@ def _attention_functional(
     S = k.shape[2]
     # bmm on (B·H)-batches, reshaped here once (matmul on 4-D views would fold them with more ops)
     scaled = (q if q_scaled else q * math.sqrt(1.0 / float(D))).reshape(B * H, L, D)
-    scores = torch.bmm(scaled, k.reshape(B * H, S, D).transpose(1, 2)).view(B, H, L, S)
-    if mask is not None:
-        # In place saves a (B, H, L, S) tensor and is safe under autograd (matmul's backward does not
-        # read its output), but not under vmap, where the mask may be batched and the scores not.
-        scores = scores + mask if is_capturing_or_transforming() else scores.add_(mask)
+    keys = k.reshape(B * H, S, D).transpose(1, 2)
+    if mask is None:
+        scores = torch.bmm(scaled, keys).view(B, H, L, S)
+    else:
+        # The mask added by the product itself, as stock does: an add in place on the product's
+        # view would make autograd zero-fill and copy a (B, H, L, S) gradient in the backward.
+        scores = torch.baddbmm(_batched_mask(mask, B, H), scaled, keys).view(B, H, L, S)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
@@ -149,6 +151,18 @@ def _attention_averaged_in_blocks(
         weights[:, block] = mean_over_heads(scores)
         del scores  # freed before the next block's scores are allocated, which then reuse its memory
     return out, weights
+
+
+def _batched_mask(mask: Tensor, batch: int, heads: int) -> Tensor:
+    """An additive mask broadcastable to ``(B, H, L, S)`` as ``baddbmm``'s input over ``B·H``
+    matrices: a shared ``(L, S)`` mask stays 2-D, and only masks that vary by batch or head are
+    spelled out per ``(b, h)``, over their own rows (one row for a padding mask)."""
+    if mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1:
+        mask = mask[0, 0]
+    if mask.dim() == 2:
+        return mask  # (L or 1, S), the same for every batch and head
+    rows, src_len = mask.shape[-2:]
+    return mask.expand(batch, heads, rows, src_len).reshape(batch * heads, rows, src_len)
 
 
 def _scaled_matrices(q: Tensor) -> Tensor:

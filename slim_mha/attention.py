@@ -296,17 +296,20 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 q, k, v = stock_head_split(F.linear(query, weight), fused_bias, self.num_heads)
                 return q, k, v, True
             return (*heads(query, weight, fused_bias, 3), False)
-        # Slices only past self-attention: they cost aten ops (launches) that path never uses.
-        b_q, b_v = (bias[:E], bias[2 * E :]) if bias is not None else (None, None)
+        # Splits, not slices, past self-attention: a split's backward is one cat into the gradient,
+        # where each slice's backward zero-fills a gradient of the whole parameter and adds into it.
+        b_q, _, b_v = bias.split(E) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
             parts = heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
                 value, self.v_proj_weight, b_v
             )
         elif key is value:  # encoder-decoder attention: one matmul for keys and values
-            kv_bias = without_key_bias(bias, E)[E:] if bias is not None else None
-            parts = heads(query, weight[:E], b_q) + heads(key, weight[E:], kv_bias, 2)
+            w_q, w_kv = weight.split((E, 2 * E))
+            kv_bias = torch.cat((b_v.new_zeros(E), b_v)) if b_v is not None else None
+            parts = heads(query, w_q, b_q) + heads(key, w_kv, kv_bias, 2)
         else:
-            parts = heads(query, weight[:E], b_q) + heads(key, weight[E : 2 * E], None) + heads(value, weight[2 * E :], b_v)
+            w_q, w_k, w_v = weight.split(E)
+            parts = heads(query, w_q, b_q) + heads(key, w_k, None) + heads(value, w_v, b_v)
         return (*parts, False)
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -401,10 +404,9 @@ def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: boo
         heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
         return list(heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)).unbind(0))
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
-    return [
-        part.view(d0, d1, num_heads, head_dim).permute(order)  # (B, H, L, D)
-        for part in projected.split(num_heads * head_dim, dim=-1)
-    ]
+    # One part is not split: a split into one piece still copies its gradient in the backward.
+    pieces = projected.split(num_heads * head_dim, dim=-1) if parts > 1 else (projected,)
+    return [part.view(d0, d1, num_heads, head_dim).permute(order) for part in pieces]  # (B, H, L, D) each
 
 
 def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:

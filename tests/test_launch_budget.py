@@ -12,6 +12,7 @@ The blocked path, taken only where one pass does not fit in memory, is not count
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 
 import pytest
@@ -89,3 +90,49 @@ def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch):
     # Padded: a call without masks in eval takes stock's kernel, which never reaches this function.
     ops = {heads: aten_ops(modules(heads)[1].eval(), "eval", "averaged", True, heads) for heads in (4, 16)}
     assert ops[16] > ops[4] + SLACK
+
+
+# ------------------------------------------------------------------- zero-fills in the backward
+
+FILL_SHAPE = {"tgt_len": 32, "src_len": 64, "batch": 2, "embed": 128, "heads": 4}  # large enough to be filled by ops
+
+
+def filled_elements(module: torch.nn.Module, kind: str) -> int:
+    """Elements that ``aten::fill_`` writes in one training step of ``module`` (sequence-first, as DETR
+    calls it): zero-filled gradients are memory traffic a step should not need."""
+    shape = FILL_SHAPE
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(shape["tgt_len"], shape["batch"], shape["embed"], generator=generator)
+    memory = torch.randn(shape["src_len"], shape["batch"], shape["embed"], generator=generator)
+    padding = torch.zeros(shape["batch"], shape["src_len"], dtype=torch.bool)
+    padding[1, -5:] = True
+    positioned = x + 1.0
+    calls = {
+        "self-attention": ((x, x, x), {}),
+        "queries and keys shared, values apart": ((positioned, positioned, x), {}),  # DETR's self-attention
+        "cross-attention with padding": ((x, memory, memory), {"key_padding_mask": padding}),  # DETR's cross
+    }
+    args, kwargs = calls[kind]
+    module(*args, **kwargs)[0].sum().backward()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        module(*args, **kwargs)[0].sum().backward()
+    return sum(
+        math.prod(event.input_shapes[0])
+        for event in profiler.events()
+        if event.name == "aten::fill_" and event.input_shapes and event.input_shapes[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["self-attention", "queries and keys shared, values apart", "cross-attention with padding"]
+)
+def test_a_training_step_zero_fills_no_more_than_stocks(kind):
+    """Slices of the packed projection, or a mask added in place on a product's view, make autograd
+    zero-fill a whole parameter's or a (B, H, L, S) gradient in the backward; stock does neither."""
+    stock = randomize_parameters(STOCK_MHA(FILL_SHAPE["embed"], FILL_SHAPE["heads"]))
+    slim = SlimMultiheadAttention(FILL_SHAPE["embed"], FILL_SHAPE["heads"])
+    slim.load_state_dict(stock.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's own warnings, if any
+        stock_filled, slim_filled = filled_elements(stock, kind), filled_elements(slim, kind)
+    assert slim_filled <= stock_filled, f"slim zero-fills {slim_filled} elements per step, stock {stock_filled}"
