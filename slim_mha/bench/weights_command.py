@@ -78,43 +78,48 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _slim_within(slim: Contender, name: str, context) -> Contender:
+    """Slim with each of its calls, timed and untimed, made inside ``context()``."""
+
+    def within(call):
+        def run():
+            with context():
+                return call()
+
+        return run
+
+    return Contender(name, within(slim.step), within(slim.forward), slim.parameters, slim.reset, slim.external)
+
+
 def _in_blocks(slim: Contender, shape: tuple[int, int, int, int], blocks: int) -> Contender:
     """Slim with its averaged weights forced into ``blocks`` blocks of query rows."""
     batch, length, _, heads = shape
     block_bytes = batch * heads * length * -(-length // blocks) * 4  # fp32 scores of one block
 
-    def forced(call):
-        def run_forced():
-            explicit._BLOCK_SCORES_BYTES = block_bytes
-            try:
-                return call()
-            finally:
-                explicit._BLOCK_SCORES_BYTES = None
+    @contextlib.contextmanager
+    def forced():
+        explicit._BLOCK_SCORES_BYTES = block_bytes
+        try:
+            yield
+        finally:
+            explicit._BLOCK_SCORES_BYTES = None
 
-        return run_forced
-
-    def step() -> None:
-        with torch.inference_mode():
-            forced(slim.forward)()
-
-    return Contender("blocks", step, forced(slim.forward), slim.parameters, slim.reset, slim.external)
+    return _slim_within(slim, "blocks", forced)
 
 
 def _in_one_pass(slim: Contender) -> Contender:
     """Slim on its own path: stock's fast path switched off around its calls, which slim follows."""
 
-    def own_path(call):
-        def run_own_path():
-            enabled = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-            try:
-                return call()
-            finally:
-                torch.backends.mha.set_fastpath_enabled(enabled)
+    @contextlib.contextmanager
+    def own_path():
+        enabled = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(enabled)
 
-        return run_own_path
-
-    return Contender("one_pass", own_path(slim.step), own_path(slim.forward), slim.parameters, slim.reset, slim.external)
+    return _slim_within(slim, "one_pass", own_path)
 
 
 def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
