@@ -128,10 +128,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
-        if need_weights and query is key and key is value and key_padding_mask is None and attn_mask is None:
+        if (
+            need_weights and query is key and key is value
+            and key_padding_mask is None and attn_mask is None and not is_causal  # is_causal alone: stock's error
+        ):
             # Stock's default call, checked first and in one place: every line before the kernel
             # costs several times its idle price here, right after the previous call's large ops.
-            result = self._attend_by_stock_kernel(query, average_attn_weights, is_causal)
+            result = self._attend_by_stock_kernel(query, average_attn_weights)
             if result is not None:
                 return result
         call = AttentionCall(
@@ -150,7 +153,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             _equivariance.check_call(self, result, call)
         return result
 
-    def _attend_by_stock_kernel(self, query: Tensor, average: bool, is_causal: bool) -> tuple[Tensor, Tensor] | None:
+    def _attend_by_stock_kernel(self, query: Tensor, average: bool) -> tuple[Tensor, Tensor] | None:
         """Self-attention with weights and no masks, where stock's fast path would take its native
         kernel: that kernel, given ``[b_q; 0; b_v]``, then slim's average over heads; else ``None``.
 
@@ -170,8 +173,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return None
         out_weight, out_bias = out_proj._parameters.get("weight"), out_proj._parameters.get("bias")
         if (
-            is_causal  # without a mask: stock's error, from the general path
-            or out_weight is None
+            out_weight is None
             or out_bias is None
             # The module: what stock's fast path refuses, and slim's own options.
             or not self.batch_first
@@ -305,7 +307,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
         elif key is value:  # encoder-decoder attention: one matmul for keys and values
             w_q, w_kv = weight.split((E, 2 * E))
-            kv_bias = torch.cat((b_v.new_zeros(E), b_v)) if b_v is not None else None
+            kv_bias = without_key_bias(bias, E)[E:] if bias is not None else None
             parts = heads(query, w_q, b_q) + heads(key, w_kv, kv_bias, 2)
         else:
             w_q, w_k, w_v = weight.split(E)
