@@ -45,6 +45,11 @@ def is_capturing_or_transforming() -> bool:
     return is_capturing_graph() or torch._C._are_functorch_transforms_active()
 
 
+# Looked up once: stock's default call runs this check right after the previous call's large ops,
+# where each attribute look-up costs several times its idle price.
+_is_exporting = getattr(torch.compiler, "is_exporting", None)
+
+
 def is_symbolic_call(query: object) -> bool:
     """Whether this call's tensors may not be real ones: captured, exported, transformed or faked.
 
@@ -54,10 +59,9 @@ def is_symbolic_call(query: object) -> bool:
     private: ``torch._C._len_torch_dispatch_stack``). ``torch.jit.script`` needs no check: scripted
     code never runs Python.
     """
-    is_exporting = getattr(torch.compiler, "is_exporting", None)
     return (
         torch.compiler.is_compiling()  # first: Dynamo folds it to True and traces nothing below
-        or (is_exporting is not None and is_exporting())
+        or (_is_exporting is not None and _is_exporting())
         or torch._C._get_tracing_state() is not None  # torch.jit.trace
         or not isinstance(query, Tensor)
         or torch._C._functorch.peek_interpreter_stack() is not None

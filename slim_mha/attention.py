@@ -20,7 +20,7 @@ from ._torch_compat import (
     stock_head_split,
     stock_kernel_with_head_weights,
 )
-from .bias import key_bias, restore_stock_layout, without_key_bias
+from .bias import key_bias, restore_stock_layout, without_key_bias, without_key_bias_untracked
 from .equivariance import _mode as _equivariance
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
@@ -191,11 +191,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             or is_symbolic_call(query)
             or query.dim() != 3
             or query.is_nested
-            or query.device.type not in ("cpu", "cuda")
+            or not (query.is_cpu or query.is_cuda)  # device.type would build a device object
             or not query.dtype == weight.dtype == bias.dtype == out_weight.dtype == out_bias.dtype
             or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
                                              or out_weight.requires_grad or out_bias.requires_grad))
-            or torch.is_autocast_enabled(query.device.type)
+            or torch.is_autocast_enabled("cuda" if query.is_cuda else "cpu")
             or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
             or torch.overrides.has_torch_function((weight, bias, out_weight, out_bias))
             or blocks_forced()
@@ -209,7 +209,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         ):
             return None
         out, weights = stock_kernel_with_head_weights(
-            query, self.num_heads, weight, without_key_bias(bias, embed_dim), out_weight, out_bias
+            query, self.num_heads, weight, without_key_bias_untracked(bias), out_weight, out_bias
         )  # (B, L, E), (B, H, L, L)
         return out, mean_over_heads(weights) if average else weights
 

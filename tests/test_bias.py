@@ -6,7 +6,15 @@ import pytest
 import torch
 from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
-from slim_mha.bias import SlimBiases, fold_key_bias, fold_value_bias_into_output, keeps_key_bias, unfold_key_bias
+from slim_mha.bias import (
+    SlimBiases,
+    fold_key_bias,
+    fold_value_bias_into_output,
+    keeps_key_bias,
+    unfold_key_bias,
+    without_key_bias,
+    without_key_bias_untracked,
+)
 
 E, H = 8, 2
 
@@ -77,3 +85,32 @@ def test_fold_value_bias_into_output_is_exact_where_rows_sum_to_one():
 def test_fold_value_bias_into_output_refuses_a_zero_value_token():
     with pytest.raises(ValueError, match="add_zero_attn=True appends a zero value token that cannot absorb -b_v"):
         fold_value_bias_into_output(torch.zeros(E), torch.zeros(E, E), None, add_zero_attn=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("embed_dim", [1, 8, 96])
+def test_the_one_op_layout_is_the_graph_layout_bit_for_bit(dtype, embed_dim):
+    """Both builders of ``[b_q; 0; b_v]`` agree bit for bit, whatever the key slot holds, and leave
+    the parameter as it was. The key slot's values include NaN, infinities and -0.0."""
+    bias = torch.randn(3 * embed_dim, generator=torch.Generator().manual_seed(embed_dim)).to(dtype)
+    key_slot = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e4])
+    bias[embed_dim : 2 * embed_dim] = key_slot.repeat(embed_dim)[:embed_dim].to(dtype)
+    before = bias.clone()
+    one_op, graph = without_key_bias_untracked(bias), without_key_bias(bias, embed_dim)
+    assert one_op.dtype == dtype and one_op.shape == (3 * embed_dim,)
+    assert torch.equal(one_op.view(torch.int8), graph.view(torch.int8))  # bits: +0.0 in the slot, not -0.0
+    assert torch.equal(one_op[:embed_dim], bias[:embed_dim]) and torch.equal(one_op[2 * embed_dim :], bias[2 * embed_dim :])
+    assert torch.equal(bias.view(torch.int8), before.view(torch.int8))
+    assert one_op.data_ptr() != bias.data_ptr()
+
+
+def test_the_one_op_layout_records_no_graph_and_outlives_inference_mode():
+    """Built from a trainable parameter without autograd (stock's kernel path), it records nothing;
+    its cached mask, made outside inference mode, serves calls inside and outside it."""
+    bias = torch.nn.Parameter(torch.randn(3 * E))
+    with torch.inference_mode():
+        inside = without_key_bias_untracked(bias)
+    with torch.no_grad():
+        outside = without_key_bias_untracked(bias)
+    assert inside.grad_fn is None and outside.grad_fn is None and not outside.requires_grad
+    assert torch.equal(inside, outside) and torch.equal(outside, without_key_bias(bias, E).detach())
