@@ -320,3 +320,53 @@ def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_r
     memory = next(check for check in report.evaluate_targets(results, "cpu") if "memory" in check.target)
     assert (memory.met, memory.total) == (1, 2)
     assert memory.detail == "worst 1.0003 at case 3072, slim at most 3.0 KiB above stock"
+
+
+@pytest.mark.parametrize("masks", ["padding", "causal", "both"])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_masked_contenders_compute_stocks_function_and_stock_keeps_its_kernel(masks, need_weights):
+    """With masks, the floor's ``-inf`` form and slim agree with stock, and stock still runs its native
+    kernel (bool masks are what its fast path takes): the comparison is against stock's best."""
+    from slim_mha.bench.cases import Case
+    from slim_mha.bench.contenders import build_contenders, output_error
+    from slim_mha.bench.memory import profile_step, took_native_fast_path
+
+    case = Case(4, 16, 32, 4, "self", need_weights, "inference", "fp32")
+    contenders = build_contenders(case, torch.device("cpu"), masks=masks)
+    with torch.inference_mode():
+        outputs = {name: contender.forward() for name, contender in contenders.items()}
+        stock_ops = profile_step(contenders["stock"].step, torch.device("cpu")).op_names
+    assert took_native_fast_path(stock_ops)
+    for name in ("slim", "floor"):
+        assert output_error(outputs["stock"], outputs[name]) < 1e-5, name
+    unmasked = build_contenders(case, torch.device("cpu"))["stock"]
+    with torch.inference_mode():
+        assert output_error(outputs["stock"], unmasked.forward()) > 1e-3  # the masks change the answer
+
+
+def test_case_masks_pad_every_other_row_and_refuse_unknown_names():
+    from slim_mha.bench.contenders import case_masks
+
+    both = case_masks("both", 3, 8, torch.device("cpu"))
+    padding, causal = both["key_padding_mask"], both["attn_mask"]
+    assert padding.dtype == causal.dtype == torch.bool
+    assert padding.tolist() == [[False] * 6 + [True] * 2, [False] * 8, [False] * 6 + [True] * 2]
+    assert torch.equal(causal, torch.ones(8, 8, dtype=torch.bool).triu(1))
+    assert case_masks("none", 3, 8, torch.device("cpu")) == {}
+    with pytest.raises(ValueError, match="masks must be one of none, padding, causal, both, got 'pad'"):
+        case_masks("pad", 3, 8, torch.device("cpu"))
+
+
+def test_weights_command_passes_masks_to_every_contender(capsys, tmp_path):
+    path = tmp_path / "weights.json"
+    argv = ["weights", "--shape", "2x16x32x4", "--masks", "both", "--one-pass", "--repeats", "2", "--warmup", "1",
+            "--min-sample-ms", "0", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "B=2 L=16 E=32 H=4, masks both, busy 0" in out
+    result = json.loads(path.read_text())["results"][0]
+    assert result["masks"] == "both" and max(result["relative_error"].values()) < 1e-4
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["weights", "--shape", "2x16x32x4", "--masks", "pad"])
+    assert exit_info.value.code == 2
+    assert "argument --masks: invalid choice: 'pad'" in capsys.readouterr().err

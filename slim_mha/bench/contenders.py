@@ -5,9 +5,9 @@
   native fast path (``aten::_native_multi_head_attention``) whenever it is eligible (self-attention,
   even head count): that is the honest baseline. Which path it took is recorded per case.
 * ``slim``: ``SlimMultiheadAttention`` loaded from stock's state dict (the key bias is folded away).
-* ``floor``: the bare computation written out by hand, in batch-first layout, with no module, no
-  argument checks and no masks: the input-projection matmul, the attention, the output-projection
-  matmul. Without weights the attention is ``F.scaled_dot_product_attention``. With
+* ``floor``: the bare computation written out by hand, in batch-first layout, with no module and
+  no argument checks: the input-projection matmul, the attention, the output-projection matmul.
+  With ``masks`` it adds their ``-inf`` form to the scores (or hands it to SDPA), built once. Without weights the attention is ``F.scaled_dot_product_attention``. With
   ``need_weights=True`` it is the explicit path: ``softmax((q / sqrt(D)) kᵀ)``, its product with
   ``v``, and the head-averaged weights (softmax in place when no graph is recorded). In training the
   floor's parameters are leaf tensors and its backward is timed with it.
@@ -29,9 +29,12 @@ from torch import Tensor, nn
 from ..attention import SlimMultiheadAttention
 from .cases import DTYPES, Case
 
-__all__ = ["CONTENDERS", "Contender", "build_contenders", "equivariance_support", "output_error"]
+__all__ = ["CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "output_error"]
 
 CONTENDERS = ("stock", "slim", "floor")
+# The masks a case can pass: a key padding mask with the last quarter of the keys padded in every
+# other batch row (sets of two sizes), a causal mask, or both. Boolean, as stock's fast path takes them.
+MASKS = ("none", "padding", "causal", "both")
 
 
 @dataclass
@@ -85,8 +88,11 @@ def _floor_forward(
     out_bias: Tensor,
     num_heads: int,
     need_weights: bool,
+    additive_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The bare attention layer; ``memory=None`` means self-attention. Returns ``(B, L, E)`` and weights."""
+    """The bare attention layer; ``memory=None`` means self-attention. Returns ``(B, L, E)`` and weights.
+
+    ``additive_mask`` (broadcastable to ``(B, H, L, S)``, ``-inf`` where masked) is added to the scores."""
     batch, length, width = query.shape
     head_dim = width // num_heads
     if memory is None:
@@ -99,6 +105,8 @@ def _floor_forward(
     v = v.view(batch, v.shape[1], num_heads, head_dim).transpose(1, 2)  # (B, H, S, D)
     if need_weights:
         scores = torch.matmul(q * (1.0 / math.sqrt(head_dim)), k.transpose(-2, -1))  # (B, H, L, S)
+        if additive_mask is not None:
+            scores = scores + additive_mask if scores.requires_grad else scores.add_(additive_mask)
         if scores.requires_grad:
             weights = torch.softmax(scores, dim=-1)
         else:
@@ -106,7 +114,7 @@ def _floor_forward(
         out = torch.matmul(weights, v)  # (B, H, L, D)
         averaged = weights.mean(dim=1)  # (B, L, S)
     else:
-        out = F.scaled_dot_product_attention(q, k, v)  # (B, H, L, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask)  # (B, H, L, D)
         averaged = None
     out = out.transpose(1, 2).reshape(batch, length, width)  # (B, L, E)
     return F.linear(out, out_weight, out_bias), averaged
@@ -120,10 +128,38 @@ def _clear_grads(tensors: list[Tensor]) -> Callable[[], None]:
     return reset
 
 
+def case_masks(masks: str, batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
+    """The keyword arguments that pass ``masks`` (one of :data:`MASKS`) to a module, as bool tensors."""
+    if masks not in MASKS:
+        raise ValueError(f"masks must be one of {', '.join(MASKS)}, got {masks!r}")
+    arguments = {}
+    if masks in ("padding", "both"):
+        padding = torch.zeros(batch, length, dtype=torch.bool, device=device)
+        padding[::2, length - length // 4 :] = True  # never every key of a row: a row of NaN is no timing
+        arguments["key_padding_mask"] = padding
+    if masks in ("causal", "both"):
+        arguments["attn_mask"] = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return arguments
+
+
+def _additive(arguments: dict[str, Tensor], dtype: torch.dtype) -> Tensor | None:
+    """The bool masks in ``arguments`` as one ``-inf``/0 tensor broadcastable to ``(B, H, L, S)``."""
+    total = None
+    padding, attention = arguments.get("key_padding_mask"), arguments.get("attn_mask")
+    if padding is not None:
+        total = torch.zeros(padding.shape, dtype=dtype, device=padding.device).masked_fill(padding, -math.inf)
+        total = total[:, None, None, :]  # (B, 1, 1, S)
+    if attention is not None:
+        causal = torch.zeros(attention.shape, dtype=dtype, device=attention.device).masked_fill(attention, -math.inf)
+        total = causal if total is None else total + causal  # (L, S) or (B, 1, L, S)
+    return total
+
+
 def build_contenders(
-    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None
+    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None, masks: str = "none"
 ) -> dict[str, Contender]:
-    """Stock, slim and floor for ``case``, sharing weights (up to slim's exact key-bias fold) and inputs."""
+    """Stock, slim and floor for ``case``, sharing weights (up to slim's exact key-bias fold), inputs
+    and ``masks`` (one of :data:`MASKS`; self-attention only)."""
     dtype = DTYPES[case.dtype]
     generator = torch.Generator(device="cpu").manual_seed(seed)
     torch.manual_seed(seed)
@@ -143,6 +179,10 @@ def build_contenders(
     inputs = [query] if memory is None else [query, memory]
     key = query if memory is None else memory
     grad_out = draw(batch, length, width)
+    if masks != "none" and memory is not None:
+        raise ValueError("masks are for self-attention cases")
+    mask_arguments = case_masks(masks, batch, length, device)
+    additive_mask = _additive(mask_arguments, dtype)
 
     floor_parameters = [
         tensor.detach().clone().requires_grad_(case.trains)
@@ -151,9 +191,11 @@ def build_contenders(
 
     def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
         if name == "floor":
-            return lambda: _floor_forward(query, memory, *floor_parameters, case.num_heads, case.need_weights)
+            return lambda: _floor_forward(
+                query, memory, *floor_parameters, case.num_heads, case.need_weights, additive_mask
+            )
         module = stock if name == "stock" else slim
-        return lambda: module(query, key, key, need_weights=case.need_weights)
+        return lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)
 
     contenders = {}
     for name in CONTENDERS:

@@ -9,7 +9,8 @@ median (with quartiles) of the per-repeat ratio, and each contender's peak memor
 also times slim's own one-pass path, which it takes where stock's kernel does not apply (masks,
 odd head counts, sequence-first inputs); ``--blocks N`` slim forced into N blocks of query rows,
 the path it takes only where one pass does not fit in memory (``--min-sample-ms 0`` times single
-calls, as a plain loop would)."""
+calls, as a plain loop would). ``--masks`` passes boolean masks to every contender: stock's fast
+path takes them into its kernel, slim takes its own path."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from .. import _explicit_attention as explicit
 from .allocator import allocator_state, prepare_cold_call
 from .cases import TARGET_SHAPES, Case, parse_shape
-from .contenders import Contender, build_contenders, output_error
+from .contenders import MASKS, Contender, build_contenders, output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
 from .report import _excess_text, write_json
@@ -42,6 +43,7 @@ examples:
   python -m slim_mha.bench weights --busy 1 --repeats 21  # beside one busy process
   python -m slim_mha.bench weights --shape 4x512x512x8 --blocks 2 --threads 1
   python -m slim_mha.bench weights --one-pass             # slim's own path beside stock's kernel
+  python -m slim_mha.bench weights --masks padding        # a key padding mask, as sets of two sizes
   python -m slim_mha.bench weights --busy 2 --allocator inherited --min-sample-ms 0 --warmup 0
 """
 
@@ -71,6 +73,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--one-pass", action="store_true",
         help="also time slim's own one-pass path, which it takes where stock's kernel does not apply",
+    )
+    parser.add_argument(
+        "--masks", choices=MASKS, default="none",
+        help="boolean masks for every contender: padding (the last quarter of the keys of every other "
+             "batch row), causal, or both (default: none)",
     )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)", cold=False)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -126,7 +133,7 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
     device = torch.device("cpu")
     load_before = _load_average()
     case = Case(*shape, "self", True, "inference", "fp32")
-    contenders = build_contenders(case, device, seed=settings.seed)
+    contenders = build_contenders(case, device, seed=settings.seed, masks=args.masks)
     if args.blocks:
         contenders["blocks"] = _in_blocks(contenders["slim"], shape, args.blocks)
     if args.one_pass:
@@ -143,6 +150,7 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
     pairs = [(a, b) for a, b in _PAIRS if a in timings and b in timings]
     return {
         "shape": list(shape),
+        "masks": args.masks,
         "median_ms": {name: summary.median_ms for name, summary in timings.items()},
         "ratios": {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in pairs},
         "paired_ratios": {
@@ -166,8 +174,10 @@ def format_result(result: dict, busy: int, allocator: str) -> str:
     names = list(ms)
     loads = [load for load in result["load_average"] if load is not None]
     load = f", 1-minute load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    masks = result.get("masks", "none")
     lines = [
-        f"B={batch} L={length} E={width} H={heads}, busy {busy}, allocator {allocator}, "
+        f"B={batch} L={length} E={width} H={heads}{'' if masks == 'none' else f', masks {masks}'}, "
+        f"busy {busy}, allocator {allocator}, "
         f"{torch.get_num_threads()} threads{load}",
         "  ms (median)    " + "  ".join(f"{name} {ms[name]:.2f}" for name in names),
     ]
