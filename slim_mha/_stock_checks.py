@@ -140,6 +140,31 @@ def attention_mask(
     return attn_mask, False
 
 
+def refuse_mask_of_another_dtype(
+    mask: Tensor | None, scores_dtype: torch.dtype, attn_mask: Tensor | None, key_padding_mask: Tensor | None
+) -> None:
+    """Stock's refusal of a float mask whose dtype is not the scores', on a call that returns weights.
+
+    Stock adds the mask to the scores with ``baddbmm``, which raises on any other dtype, in every
+    mode. Slim's passes without a graph add it in place, which would cast it silently, so the
+    refusal is made here, once, for all of them. Without weights SDPA takes the mask and decides, on
+    stock and slim alike (it accepts float32 masks for any query). Under autocast ``baddbmm`` casts
+    the mask with the scores, so the ops decide there too.
+    """
+    if mask is None or mask.dtype == scores_dtype or torch.is_autocast_enabled(mask.device.type):
+        return
+    named = [
+        f"{name} ({given.dtype})"
+        for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
+        if given is not None and given.is_floating_point() and given.dtype != scores_dtype
+    ]
+    raise RuntimeError(
+        f"{' and '.join(named) or f'the merged mask ({mask.dtype})'} cannot be added to {scores_dtype} "
+        f"attention scores when weights are returned: pass a bool mask or a {scores_dtype} one "
+        "(stock raises here too)"
+    )
+
+
 def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:
     """2-D ``(L, S)`` stays; 3-D ``(B*H, L, S)`` becomes ``(B, H, L, S)``; stock's checks and messages."""
     if attn_mask.dim() == 2:

@@ -10,7 +10,7 @@ from . import unread_weights
 from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads
 from ._memory_guard import below_checked_size
-from ._stock_checks import attention_mask, is_batched_mha_input
+from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
 from ._torch_compat import (
     STOCK_MHA,
@@ -234,6 +234,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             attn_mask, key_padding_mask, is_causal, need_weights, query.dtype,
             batch=batch, num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended,
         )  # additive, broadcastable to (B, H, L, S + appended)
+        if need_weights:
+            refuse_mask_of_another_dtype(mask, q.dtype, attn_mask, key_padding_mask)
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
 
         if need_weights:

@@ -91,3 +91,59 @@ def test_additive_mask_returns_a_float_mask_itself_and_leaves_a_bool_mask_alone(
     bool_mask = torch.ones(L, S, dtype=torch.bool)
     additive_mask(bool_mask, "attn_mask", torch.float32)
     assert bool_mask.dtype == torch.bool and bool_mask.all()
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask", "both"])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_mask_of_another_dtype_is_refused_where_stock_refuses_it(dtype, mask_dtype, which, train, need_weights):
+    """With weights stock adds the mask by ``baddbmm``, which refuses any dtype but the scores', in
+    every mode; slim's passes without a graph add it in place and must refuse it too, not cast it.
+    Without weights SDPA decides for both (it takes float32 masks for any query)."""
+    from _reference import STOCK_MHA
+
+    from slim_mha import SlimMultiheadAttention
+
+    torch.manual_seed(0)
+    stock = STOCK_MHA(E, H, batch_first=True, dtype=dtype).train(train)
+    slim = SlimMultiheadAttention(E, H, batch_first=True, dtype=dtype).train(train)
+    slim.load_state_dict(stock.state_dict())
+    x = torch.randn(2, S, E, dtype=dtype)
+    masks = {}
+    if which in ("attn_mask", "both"):
+        masks["attn_mask"] = torch.zeros(S, S, dtype=mask_dtype)
+    if which in ("key_padding_mask", "both"):
+        masks["key_padding_mask"] = torch.zeros(2, S, dtype=mask_dtype)
+
+    def call(module):
+        return lambda: module(x, x, x, need_weights=need_weights, **masks)[0].detach()
+
+    with torch.set_grad_enabled(train):
+        (expected, _), (actual, _) = outcome(call(stock)), outcome(call(slim))
+    refused = isinstance(expected, tuple) and expected[0] is RuntimeError
+    assert refused == (isinstance(actual, tuple) and actual[0] is RuntimeError), (expected, actual)
+    if refused and need_weights:
+        named = [name for name in masks if mask_dtype != dtype and mask_dtype != torch.bool]
+        assert all(f"{name} ({mask_dtype})" in actual[1] for name in named) and "pass a bool mask" in actual[1]
+    elif not refused:
+        torch.testing.assert_close(actual[3], expected[3], rtol=0, atol=0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_under_autocast_a_float32_mask_is_cast_with_the_scores_as_on_stock():
+    """Autocast casts ``baddbmm``'s mask with its matrices, so stock takes a float32 mask for bfloat16
+    scores there; slim must not refuse what stock takes."""
+    from _reference import STOCK_MHA
+
+    from slim_mha import SlimMultiheadAttention
+
+    torch.manual_seed(0)
+    stock = STOCK_MHA(E, H, batch_first=True).eval()
+    slim = SlimMultiheadAttention(E, H, batch_first=True).eval()
+    slim.load_state_dict(stock.state_dict())
+    x, mask = torch.randn(2, S, E), torch.randn(S, S)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = stock(x, x, x, attn_mask=mask), slim(x, x, x, attn_mask=mask)
+    for want, got in zip(expected, actual):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)
