@@ -143,15 +143,17 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         traced = fx_proxy_of(self, query, tuple(call))  # fx records the call, as it does stock's
         if traced is not None:
             return traced
+        drop_weights = False
         if need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query):
-            call = call._replace(need_weights=False)  # the caller drops them: compute what False computes
+            call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
         if query.is_nested or key.is_nested or value.is_nested:
             # Only stock's native kernel takes nested tensors: stock's computation of the same parameters.
-            return super().forward(*call)
-        result = self._attend(call)
-        if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
-            _equivariance.check_call(self, result, call)
-        return result
+            result = super().forward(*call)
+        else:
+            result = self._attend(call)
+            if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
+                _equivariance.check_call(self, result, call)
+        return (result[0], None) if drop_weights else result
 
     def _attend_by_stock_kernel(self, query: Tensor, average: bool) -> tuple[Tensor, Tensor] | None:
         """Self-attention with weights and no masks, where stock's fast path would take its native

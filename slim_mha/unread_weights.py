@@ -5,7 +5,8 @@ them away at once: ``attn(q, k, v)[0]`` or ``out, _ = attn(q, k, v)``. Computing
 explicit path (softmax probabilities of shape ``(B, H, L, S)`` materialised, and kept for backward
 when training). :func:`weights_discarded` proves, from the caller's bytecode, that a call's weights
 cannot be read, so that a module built with ``skip_unread_weights=True`` may compute exactly what
-``need_weights=False`` computes and return ``None`` as the weights.
+``need_weights=False`` computes and return ``None`` as the weights (with attention dropout on CPU,
+where that is no cheaper, it computes the weights unaveraged and drops them: :func:`call_without_weights`).
 
 What counts as proof (anything else, and any doubt, means "compute the weights as asked"):
 
@@ -40,8 +41,8 @@ on every version, and a read hidden in the second half of a pair still counts as
 
 A wrong verdict can only ever turn weights into ``None``, never change a number: the output is what
 ``need_weights=False`` computes, which equals the weighted call's output (the two paths compute the
-same function, to rounding; with dropout in training they draw their masks differently, exactly as
-stock's two paths do). The residual risk is a C-level callable that forwards its exact arguments to
+same function, to rounding; with dropout in training each draws its mask as stock's path of the
+same name does). The residual risk is a C-level callable that forwards its exact arguments to
 the module and then keeps the result for someone else (``functools.lru_cache`` around a module):
 whoever reads those weights later gets ``None`` and fails at once.
 
@@ -70,6 +71,7 @@ from torch import nn
 
 from torch.nn.modules import module as _torch_module
 
+from ._call import AttentionCall
 from ._torch_compat import STOCK_MHA, is_symbolic_call
 
 __all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread_weights_report", "weights_discarded"]
@@ -125,6 +127,20 @@ def resolve_option(skip_unread_weights: object) -> bool:
             f"skip_unread_weights must be True or False, got {skip_unread_weights!r}; pass a bool"
         )
     return skip_unread_weights
+
+
+def call_without_weights(call: AttentionCall, drops_attention: bool) -> tuple[AttentionCall, bool]:
+    """What a call whose weights are discarded computes, and whether its weights are then dropped.
+
+    ``need_weights=False``'s computation, except with attention dropout on CPU: SDPA's CPU kernels
+    take no dropout, and its math fallback keeps the same ``(B, H, L, S)`` probabilities for backward
+    as the weights path and runs slower (DETR's training step: 0.93x stock, at the same peak). There
+    the weights path runs, without the average over heads, and its weights are dropped afterwards;
+    it draws its dropout mask as stock's default call does.
+    """
+    if drops_attention and call.query.device.type == "cpu":
+        return call._replace(average_attn_weights=False), True
+    return call._replace(need_weights=False), False
 
 
 def weights_discarded(module: nn.Module, query: object) -> bool:

@@ -65,11 +65,13 @@ class WeightsPathSpy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
+        self.averaged: list[bool] = []  # each call's ``average`` argument
         original = attention_module.attention_with_weights
 
-        def counting(*args, **kwargs):
+        def counting(q, k, v, mask, dropout_p, average, **kwargs):
             self.calls += 1
-            return original(*args, **kwargs)
+            self.averaged.append(average)
+            return original(q, k, v, mask, dropout_p, average, **kwargs)
 
         monkeypatch.setattr(attention_module, "attention_with_weights", counting)
 
@@ -345,15 +347,44 @@ def test_skipping_unbatched_and_causal_matches_stock(spy):
 
 
 @needs_tested_bytecode
-def test_dropout_in_training_draws_as_stock_without_weights():
-    """Skipping computes what need_weights=False computes: same RNG use as stock's weightless path."""
+def test_dropout_in_training_on_cpu_runs_the_weights_path_unaveraged_and_drops_its_weights(spy):
+    """With attention dropout on CPU, SDPA would fall back to the same probabilities, slower: the
+    skipped call runs the weights path without the average, returns ``None`` as its weights, and
+    draws its dropout mask as stock's default call (and, on CPU, as stock's weightless call) does."""
     stock, slim = stock_and_slim(dropout=0.3)
     q, k, v = tokens()
     torch.manual_seed(11)
-    expected = stock(q, k, v, need_weights=False)[0]
+    default_call = stock(q, k, v)[0]
+    torch.manual_seed(11)
+    weightless = stock(q, k, v, need_weights=False)[0]
+    torch.manual_seed(11)
+    out, weights = slim(q, k, v)  # not a discarding site: computed as asked
+    assert weights is not None and spy.averaged == [True]
     torch.manual_seed(11)
     actual = site_subscript_zero(slim, q, k, v)
-    assert_close_scaled(actual, expected, "dropout output")
+    assert spy.averaged == [True, False]
+    assert_close_scaled(actual, default_call, "dropout output, stock's default call")
+    assert_close_scaled(actual, weightless, "dropout output, stock without weights")
+    assert_close_scaled(actual, out, "dropout output, slim with weights")
+
+    def weights_of_a_discarding_site(attn):
+        result = attn(q, k, v)
+        return result[1]
+
+    assert weights_of_a_discarding_site(slim) is not None  # read: computed as asked
+    assert slim(q, k, v, need_weights=False)[1] is None and spy.calls == 3  # SDPA, as asked
+
+
+@needs_tested_bytecode
+def test_without_dropout_or_in_eval_the_skipped_call_takes_the_weightless_path(spy):
+    """Only attention dropout in training keeps the weights path: without it the skip is SDPA's."""
+    for dropout, train in ((0.3, False), (0.0, True)):
+        stock, slim = stock_and_slim(dropout=dropout)
+        stock.train(train), slim.train(train)
+        q, k, v = tokens()
+        actual = site_subscript_zero(slim, q, k, v)
+        assert spy.calls == 0
+        assert_close_scaled(actual, stock(q, k, v, need_weights=False)[0], f"dropout {dropout}, train {train}")
 
 
 # ------------------------------------------------------------------------------ not recognised
