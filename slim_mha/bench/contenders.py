@@ -7,10 +7,11 @@
 * ``slim``: ``SlimMultiheadAttention`` loaded from stock's state dict (the key bias is folded away).
 * ``floor``: the bare computation written out by hand, in batch-first layout, with no module and
   no argument checks: the input-projection matmul, the attention, the output-projection matmul.
-  With ``masks`` it adds their ``-inf`` form to the scores (or hands it to SDPA), built once. Without weights the attention is ``F.scaled_dot_product_attention``. With
-  ``need_weights=True`` it is the explicit path: ``softmax((q / sqrt(D)) kᵀ)``, its product with
-  ``v``, and the head-averaged weights (softmax in place when no graph is recorded). In training the
-  floor's parameters are leaf tensors and its backward is timed with it.
+  Without weights the attention is ``F.scaled_dot_product_attention``. With ``need_weights=True``
+  it is the explicit path: ``softmax((q / sqrt(D)) kᵀ)``, its product with ``v``, and the
+  head-averaged weights (softmax in place when no graph is recorded). With ``masks`` their ``-inf``
+  form, built once, is added to the scores or handed to SDPA. In training the floor's parameters
+  are leaf tensors and its backward is timed with it.
 
 Every contender's step is the same call: forward in inference; forward then
 ``out.backward(grad_out)`` in training (the returned weights are not differentiated).
@@ -29,7 +30,9 @@ from torch import Tensor, nn
 from ..attention import SlimMultiheadAttention
 from .cases import DTYPES, Case
 
-__all__ = ["CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "output_error"]
+__all__ = [
+    "CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "output_error"
+]
 
 CONTENDERS = ("stock", "slim", "floor")
 # The masks a case can pass: a key padding mask with the last quarter of the keys padded in every
