@@ -1,6 +1,6 @@
 """Stock's kernel for stock's default call: which calls take it, and every one against stock.
 
-Batch-first self-attention that returns weights, without masks and without a graph, runs stock's
+Self-attention that returns weights, without masks and without a graph, runs stock's
 native kernel (``torch._native_multi_head_attention``) with the bias ``[b_q; 0; b_v]`` and averages
 the heads in slim (``SlimMultiheadAttention._attend_by_stock_kernel``). Every other call takes the
 general path. Each test here counts the kernel's calls, so a call that silently changes path fails,
@@ -67,12 +67,20 @@ def assert_like_stock(stock, slim, *args, **kwargs) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("context", ["inference_mode", "no_grad"])
-def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(dtype, average, context, kernel_calls):
-    stock, slim = modules(dtype=dtype)
-    x = tokens(dtype)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(
+    dtype, average, context, batch_first, kernel_calls
+):
+    """Sequence-first too (stock's default layout, which its fast path refuses): the kernel gets the
+    query batch-first as a view, and the output comes back in stock's layout, strides included."""
+    stock, slim = modules(dtype=dtype, batch_first=batch_first)
+    x = tokens(dtype, *((BATCH, LENGTH, EMBED) if batch_first else (LENGTH, BATCH, EMBED)))
     with getattr(torch, context)():
         assert_like_stock(stock, slim, x, x, x, average_attn_weights=average)
-    assert len(kernel_calls) == 1
+        expected, actual = stock(x, x, x, average_attn_weights=average), slim(x, x, x, average_attn_weights=average)
+    assert len(kernel_calls) == 2
+    for want, got in zip(expected, actual):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
     bias = kernel_calls[0][3]
     assert torch.equal(bias[EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))  # the key bias never reaches it
     assert torch.equal(bias[:EMBED], slim.in_proj_bias[:EMBED]) and torch.equal(bias[2 * EMBED :], slim.in_proj_bias[2 * EMBED :])
@@ -80,11 +88,14 @@ def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(
 
 @pytest.mark.parametrize(
     "case",
-    ["frozen parameters, grad enabled", "training without dropout", "heads of 2", "a non-contiguous query", "fp64 sizes"],
+    [
+        "frozen parameters, grad enabled", "training without dropout", "heads of 2", "a non-contiguous query",
+        "fp64 sizes", "a non-contiguous sequence-first query", "sequence first, training without dropout",
+    ],
 )
 def test_other_calls_stocks_fast_path_would_take_take_it_too(case, kernel_calls):
-    stock, slim = modules(heads=2 if case == "heads of 2" else HEADS)
-    x = tokens()
+    stock, slim = modules(heads=2 if case == "heads of 2" else HEADS, batch_first="sequence" not in case)
+    x = tokens(torch.float32, LENGTH, BATCH, EMBED) if "sequence" in case else tokens()
     context = torch.no_grad()
     if case == "frozen parameters, grad enabled":
         for module in (stock, slim):
@@ -94,6 +105,10 @@ def test_other_calls_stocks_fast_path_would_take_take_it_too(case, kernel_calls)
         slim.train()  # stock's fast path refuses training; its Python path computes the same function
     elif case == "a non-contiguous query":
         x = tokens(torch.float32, LENGTH, BATCH, EMBED).transpose(0, 1)
+    elif case == "a non-contiguous sequence-first query":
+        x = tokens().transpose(0, 1)  # (L, B, E) over batch-first storage: the kernel gets it contiguous
+    elif case == "sequence first, training without dropout":
+        slim.train()
     elif case == "fp64 sizes":
         stock, slim = stock.double(), slim.double()
         x = x.double()
@@ -151,7 +166,7 @@ def _masks():
 
 
 GENERAL_PATH = [
-    "odd heads", "sequence first", "key padding mask", "bool attn_mask", "float attn_mask", "causal mask",
+    "odd heads", "sequence first, odd heads", "key padding mask", "bool attn_mask", "float attn_mask", "causal mask",
     "cross attention", "shared key and value", "graph recorded", "add_bias_kv", "add_zero_attn",
     "kdim and vdim", "no biases", "autocast", "fast path disabled", "unbatched", "need_weights=False",
 ]
@@ -162,14 +177,13 @@ def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(ca
     options = {
         "add_bias_kv": {"add_bias_kv": True}, "add_zero_attn": {"add_zero_attn": True},
         "kdim and vdim": {"kdim": 10, "vdim": 6}, "no biases": {"bias": False},
-        "sequence first": {"batch_first": False},
     }.get(case, {})
-    stock, slim = _odd_head_modules() if case == "odd heads" else modules(**options)
-    x = tokens(torch.float32, BATCH, LENGTH, 15) if case == "odd heads" else tokens()
+    stock, slim = _odd_head_modules(batch_first=case == "odd heads") if "odd heads" in case else modules(**options)
+    x = tokens(torch.float32, BATCH, LENGTH, 15) if "odd heads" in case else tokens()
     query = key = value = x
     kwargs, context = {}, torch.no_grad()
     padding, causal = _masks()
-    if case == "sequence first":
+    if case == "sequence first, odd heads":
         query = key = value = x.transpose(0, 1).contiguous()
     elif case == "key padding mask":
         kwargs["key_padding_mask"] = padding
@@ -202,9 +216,9 @@ def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(ca
     assert kernel_calls == []
 
 
-def _odd_head_modules():
-    stock = randomize_parameters(STOCK_MHA(15, 5, batch_first=True))
-    slim = SlimMultiheadAttention(15, 5, batch_first=True)
+def _odd_head_modules(batch_first: bool = True):
+    stock = randomize_parameters(STOCK_MHA(15, 5, batch_first=batch_first))
+    slim = SlimMultiheadAttention(15, 5, batch_first=batch_first)
     slim.load_state_dict(stock.state_dict())
     return stock.eval(), slim.eval()
 
