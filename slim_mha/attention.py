@@ -161,9 +161,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         kernel: that kernel, given ``[b_q; 0; b_v]``, then slim's average over heads; else ``None``.
 
         Sequence-first calls take it too, though stock's fast path refuses them: stock's Python path
-        computes the same function, and the kernel with the query as a transposed view, and the
-        output copied back into ``(L, B, E)``, was 1.12x-1.16x stock where slim's own path was
-        1.05x-1.09x (B=16 L=64 and B=8 L=128, E=256; no gain at B=4 L=512 E=512).
+        computes the same function, and the kernel, given the query as a transposed view and its
+        output copied back into ``(L, B, E)``, is 1.08x-1.14x stock where slim's own path is
+        1.03x-1.07x (B=16 L=64 and B=8 L=128, E=256: ``benchmarks/sequence_first_weights.py``).
 
         Stock's kernel is the floor for this call (it writes the weights it must return and nothing
         more); what slim saves is Python before it, and stock's average over heads (three passes

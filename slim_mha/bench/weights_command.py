@@ -7,7 +7,7 @@ the quick matrix, beside ``--busy`` busy processes, with the allocator warm, col
 (``allocator.py``). Prints stock/slim and slim/floor both as the ratio of the medians and as the
 median (with quartiles) of the per-repeat ratio, and each contender's peak memory. ``--one-pass``
 also times slim's own one-pass path, which it takes where stock's kernel does not apply (masks,
-odd head counts, sequence-first inputs); ``--blocks N`` slim forced into N blocks of query rows,
+odd head counts, cross-attention); ``--blocks N`` slim forced into N blocks of query rows,
 the path it takes only where one pass does not fit in memory (``--min-sample-ms 0`` times single
 calls, as a plain loop would). ``--masks`` passes boolean masks to every contender: stock's fast
 path takes them into its kernel, slim takes its own path."""
