@@ -13,6 +13,7 @@ shape: the median ms, and paired stock/slim and stock/one_pass (the median of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from slim_mha import SlimMultiheadAttention
 from slim_mha.bench.allocator import allocator_state
 from slim_mha.bench.cases import parse_shape
+from slim_mha.bench.contenders import fast_path_enabled
 from slim_mha.bench.timing import Settings, measure
 
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")
@@ -37,22 +39,18 @@ def steps(shape: tuple[int, int, int, int]) -> dict:
     slim.load_state_dict(stock.state_dict())
     x = torch.randn(length, batch, width)  # (L, B, E)
 
-    def call(module, fast_path: bool = True):
+    def call(module, context=contextlib.nullcontext):
         def step() -> None:
-            enabled = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(fast_path)
-            try:
-                with torch.inference_mode():
-                    module(x, x, x)
-            finally:
-                torch.backends.mha.set_fastpath_enabled(enabled)
+            with context(), torch.inference_mode():
+                module(x, x, x)
 
         return step, lambda: None
 
     with torch.inference_mode():
         expected, actual = stock(x, x, x), slim(x, x, x)
     error = max(float((a - e).abs().max() / e.abs().max()) for a, e in zip(actual, expected))
-    return {"stock": call(stock), "slim": call(slim), "one_pass": call(slim, fast_path=False)}, error
+    own_path = call(slim, lambda: fast_path_enabled(False))
+    return {"stock": call(stock), "slim": call(slim), "one_pass": own_path}, error
 
 
 def main() -> None:

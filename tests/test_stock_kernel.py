@@ -21,6 +21,7 @@ import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
 from slim_mha import _memory_guard as guard
+from slim_mha.bench.contenders import fast_path_enabled
 
 BATCH, LENGTH, EMBED, HEADS = 3, 6, 16, 4
 
@@ -207,7 +208,7 @@ def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(ca
         query = key = value = x[0]
     elif case == "need_weights=False":
         kwargs["need_weights"] = False
-    with context, _fast_path_enabled(case != "fast path disabled"):
+    with context, fast_path_enabled(case != "fast path disabled"):
         if case == "autocast":
             with torch.no_grad():
                 slim(query, key, value, **kwargs)  # autocast's rounding: compared with stock in test_compile_export
@@ -221,16 +222,6 @@ def _odd_head_modules(batch_first: bool = True):
     slim = SlimMultiheadAttention(15, 5, batch_first=batch_first)
     slim.load_state_dict(stock.state_dict())
     return stock.eval(), slim.eval()
-
-
-@contextlib.contextmanager
-def _fast_path_enabled(enabled: bool):
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 SLIM_OWN = [

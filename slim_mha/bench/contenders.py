@@ -19,7 +19,9 @@ Every contender's step is the same call: forward in inference; forward then
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,7 +33,8 @@ from ..attention import SlimMultiheadAttention
 from .cases import DTYPES, Case
 
 __all__ = [
-    "CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "output_error"
+    "CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "fast_path_enabled",
+    "output_error",
 ]
 
 CONTENDERS = ("stock", "slim", "floor")
@@ -51,6 +54,18 @@ class Contender:
     reset: Callable[[], None]
     # Tensors that belong to the caller (inputs) rather than to the step's own activations.
     external: list[Tensor] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def fast_path_enabled(enabled: bool) -> Iterator[None]:
+    """``torch.backends.mha`` fast path set to ``enabled`` inside, restored after: off, stock's
+    default call takes stock's Python path and slim's takes slim's own one pass."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def equivariance_support() -> str | None:

@@ -24,7 +24,7 @@ import torch
 from .. import _explicit_attention as explicit
 from .allocator import allocator_state, prepare_cold_call
 from .cases import TARGET_SHAPES, Case, parse_shape
-from .contenders import MASKS, Contender, build_contenders, output_error
+from .contenders import MASKS, Contender, build_contenders, fast_path_enabled, output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
 from .report import _excess_text, write_json
@@ -116,17 +116,7 @@ def _in_blocks(slim: Contender, shape: tuple[int, int, int, int], blocks: int) -
 
 def _in_one_pass(slim: Contender) -> Contender:
     """Slim on its own path: stock's fast path switched off around its calls, which slim follows."""
-
-    @contextlib.contextmanager
-    def own_path():
-        enabled = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
-            yield
-        finally:
-            torch.backends.mha.set_fastpath_enabled(enabled)
-
-    return _slim_within(slim, "one_pass", own_path)
+    return _slim_within(slim, "one_pass", lambda: fast_path_enabled(False))
 
 
 def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
