@@ -2,7 +2,7 @@
 
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations, unless the call is one that stock's own kernel takes (unmasked
-batch-first self-attention without a graph: ``SlimMultiheadAttention._attend_by_stock_kernel``).
+self-attention without a graph: ``SlimMultiheadAttention._attend_by_stock_kernel``).
 
 Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked and
 softmaxed in place and averaged by one batched product: what stock's native kernel holds, and no

@@ -34,9 +34,9 @@ no graph, averaged, where it does not        the averaged weights, (B, L, S), on
 ===========================================  ====================================  =====================
 
 **Stock's kernel.** Below the checked size, calls that stock's fast path would take (unmasked
-batch-first self-attention without a graph) run stock's native kernel itself, which holds what it
-holds for stock, plus the ``3E``-element bias ``[b_q; 0; b_v]`` that slim gives it; above, they
-take the paths in the table.
+batch-first self-attention without a graph), and their sequence-first twins, run stock's native
+kernel itself, which holds what it holds for stock, plus the ``3E``-element bias ``[b_q; 0; b_v]``
+that slim gives it; above, they take the paths in the table.
 
 **One pass or blocks.** Without a graph, averaged weights take one pass, which holds what stock's
 native kernel holds, wherever it fits in the memory this process can get; only where it does not

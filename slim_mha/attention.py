@@ -245,11 +245,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             attn_mask, key_padding_mask, is_causal, need_weights, query.dtype,
             batch=batch, num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended,
         )  # additive, broadcastable to (B, H, L, S + appended)
-        if need_weights:
-            refuse_mask_of_another_dtype(mask, q.dtype, attn_mask, key_padding_mask)
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
 
         if need_weights:
+            refuse_mask_of_another_dtype(mask, q.dtype, attn_mask, key_padding_mask)
             out, weights = attention_with_weights(q, k, v, mask, dropout_p, average, q_scaled=q_scaled)
         else:
             if mask is not None and has_folded_value_bias(self):
