@@ -1,11 +1,12 @@
 """Stock's default call in stock's default layout: sequence-first self-attention that returns weights.
 
-    python benchmarks/sequence_first_weights.py [--repeats 21] [--threads 2] [--shape 8x128x256x8 ...]
+    python benchmarks/sequence_first_weights.py [--repeats 21] [--threads 2] [--busy N] [--shape 8x128x256x8 ...]
 
 ``nn.MultiheadAttention(E, H)`` is sequence-first, and ``attn(x, x, x)`` asks for the averaged
 weights. Stock's fast path refuses that layout, so stock runs its Python path; slim runs stock's
 native kernel with the query as a batch-first view. Timed in inference, interleaved with the
-benchmark's own timer (``slim_mha.bench.timing``), the allocator warm: stock, slim, and slim's own
+benchmark's own timer (``slim_mha.bench.timing``), the allocator warm, beside ``--busy`` busy
+processes (``slim_mha.bench.load``): stock, slim, and slim's own
 one-pass path (stock's fast path switched off around its calls, which slim follows). Printed per
 shape: the median ms, and paired stock/slim and stock/one_pass (the median of the per-repeat ratios).
 """
@@ -23,6 +24,7 @@ from slim_mha import SlimMultiheadAttention
 from slim_mha.bench.allocator import allocator_state
 from slim_mha.bench.cases import parse_shape
 from slim_mha.bench.contenders import fast_path_enabled
+from slim_mha.bench.load import competing_load
 from slim_mha.bench.timing import Settings, measure
 
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")
@@ -57,11 +59,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
     parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(SHAPES)})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm")
-    with allocator_state("warm"):
+    if not 0 <= args.busy <= 64:
+        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
+          f"busy {args.busy}")
+    with competing_load(args.busy, 1800), allocator_state("warm"):
         for text in args.shape or SHAPES:
             shape = parse_shape(text)
             contenders, error = steps(shape)
