@@ -162,8 +162,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         Sequence-first calls take it too, though stock's fast path refuses them: stock's Python path
         computes the same function, and the kernel, given the query as a transposed view and its
-        output copied back into ``(L, B, E)``, is 1.08x-1.14x stock where slim's own path is
-        1.03x-1.07x (B=16 L=64 and B=8 L=128, E=256: ``benchmarks/sequence_first_weights.py``).
+        output copied back into ``(L, B, E)``, is 1.09x-1.14x stock where slim's own path is
+        1.03x-1.06x (B=16 L=64 and B=8 L=128, E=256: ``benchmarks/sequence_first_weights.py``).
 
         Stock's kernel is the floor for this call (it writes the weights it must return and nothing
         more); what slim saves is Python before it, and stock's average over heads (three passes
