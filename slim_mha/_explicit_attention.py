@@ -2,7 +2,7 @@
 
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations, unless the call is one that stock's own kernel takes (unmasked
-self-attention without a graph: ``SlimMultiheadAttention._attend_by_stock_kernel``).
+self-attention without a graph: ``SlimMultiheadAttention._attend_plain``).
 
 Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked and
 softmaxed in place and averaged by one batched product: what stock's native kernel holds, and no
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
-from ._torch_compat import is_symbolic_call
 
 __all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path"]
 
@@ -50,11 +49,12 @@ class WeightsPlan(NamedTuple):
 
 
 def plan_weights_path(
-    q: Tensor, src_len: int, *, dropout_p: float, average: bool, records_graph: bool
+    q: Tensor, src_len: int, *, dropout_p: float, average: bool, records_graph: bool, symbolic: bool
 ) -> WeightsPlan:
-    """The path for ``q`` ``(B, H, L, D)`` and ``src_len`` keys (appended tokens included)."""
+    """The path for ``q`` ``(B, H, L, D)`` and ``src_len`` keys (appended tokens included);
+    ``symbolic``: :func:`~slim_mha._torch_compat.is_symbolic_call` for the call."""
     # Symbolic calls (fake tensors, dispatch modes) too: the one-pass path keeps a cached constant.
-    functional = records_graph or dropout_p > 0.0 or is_symbolic_call(q)
+    functional = records_graph or dropout_p > 0.0 or symbolic
     rows = q.shape[2]
     if average and not functional:
         rows = rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len)
@@ -62,19 +62,30 @@ def plan_weights_path(
 
 
 def attention_with_weights(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool, *, q_scaled: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    dropout_p: float,
+    average: bool,
+    *,
+    q_scaled: bool = False,
+    symbolic: bool,
 ) -> tuple[Tensor, Tensor]:
     """softmax(q kᵀ / sqrt(D) + mask) v and the weights, in stock's order of operations.
 
     ``q`` is ``(B, H, L, D)``, ``k`` and ``v`` ``(B, H, S, D)``, ``mask`` additive and broadcastable
     to ``(B, H, L, S)``. Returns the output ``(B, H, L, D)`` and the weights, ``(B, L, S)`` averaged
     over heads or ``(B, H, L, S)``. ``q_scaled``: ``q`` is already ``q / sqrt(D)``, a contiguous
-    tensor of the caller's that this path may write into (only ever without a graph).
+    tensor of the caller's that this path may write into (only ever without a graph). ``symbolic``:
+    :func:`~slim_mha._torch_compat.is_symbolic_call` for the call, asked once by the caller.
     """
     records_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, mask)
     )
-    plan = plan_weights_path(q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph)
+    plan = plan_weights_path(
+        q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph, symbolic=symbolic
+    )
     check_weights_fit(q, k.shape[2], plan)  # before any (B, H, L, S)
     if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad
         return _attention_functional(q, k, v, mask, dropout_p, average, q_scaled)

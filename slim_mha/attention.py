@@ -130,12 +130,12 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
         if (
-            need_weights and query is key and key is value
+            query is key and key is value
             and key_padding_mask is None and attn_mask is None and not is_causal  # is_causal alone: stock's error
         ):
-            # Stock's default call, checked first and in one place: every line before the kernel
+            # Plain self-attention, checked first and in one place: every line before the first op
             # costs several times its idle price here, right after the previous call's large ops.
-            result = self._attend_by_stock_kernel(query, average_attn_weights)
+            result = self._attend_plain(query, need_weights, average_attn_weights)
             if result is not None:
                 return result
         call = AttentionCall(
@@ -156,21 +156,24 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 _equivariance.check_call(self, result, call)
         return (result[0], None) if drop_weights else result
 
-    def _attend_by_stock_kernel(self, query: Tensor, average: bool) -> tuple[Tensor, Tensor] | None:
-        """Self-attention with weights and no masks, where stock's fast path would take its native
-        kernel: that kernel, given ``[b_q; 0; b_v]``, then slim's average over heads; else ``None``.
+    def _attend_plain(self, query: Tensor, need_weights: bool, average: bool) -> tuple[Tensor, Tensor | None] | None:
+        """Self-attention without masks or a graph, in the fewest ops: with weights, stock's native
+        kernel given ``[b_q; 0; b_v]``, then slim's average over heads; without, one input projection,
+        SDPA and the output projection. ``None`` for every call the general path must take.
 
-        Sequence-first calls take it too, though stock's fast path refuses them: stock's Python path
-        computes the same function, and the kernel, given the query as a transposed view and its
-        output copied back into ``(L, B, E)``, is 1.09x-1.14x stock where slim's own path is
-        1.03x-1.06x (B=16 L=64 and B=8 L=128, E=256: ``benchmarks/sequence_first_weights.py``).
+        These are the general path's own ops on the same bias (bit for bit, without weights), minus
+        its Python: at small shapes that Python is most of a call. Sequence-first calls take it too,
+        though stock's fast path refuses them: stock's Python path computes the same function, and
+        the kernel, given the query as a transposed view and its output copied back into
+        ``(L, B, E)``, is 1.09x-1.14x stock where slim's own path is 1.03x-1.06x (B=16 L=64 and B=8
+        L=128, E=256: ``benchmarks/sequence_first_weights.py``).
 
-        Stock's kernel is the floor for this call (it writes the weights it must return and nothing
-        more); what slim saves is Python before it, and stock's average over heads (three passes
-        over the weights) becomes one batched product. The price is the ``3E``-element bias, built
-        for each call. Calls it does not take are every case stock's fast path refuses, and every
-        call slim handles itself: options, traces and transforms, sizes the memory guard checks,
-        nothing to attend.
+        Stock's kernel is the floor for a call with weights (it writes the weights it must return
+        and nothing more); what slim saves is Python before it, and stock's average over heads (three
+        passes over the weights) becomes one batched product. The price is the ``3E``-element bias,
+        built for each call. Calls it does not take: masks, cross-attention, a graph, slim's own
+        options, traces and transforms, nothing to attend; and, with weights, every case stock's
+        fast path refuses and sizes the memory guard checks.
         """
         # Dict reads, not attribute reads: nn.Module.__getattr__ costs ten times as much. A
         # parametrized projection is no longer in _parameters and is left to the general path.
@@ -183,15 +186,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if (
             out_weight is None
             or out_bias is None
-            # The module: what stock's fast path refuses (but sequence-first), and slim's own options.
-            or self.num_heads % 2
+            # The module: slim's own options, and what changes the function or draws random numbers.
             or self.bias_k is not None
             or self.bias_v is not None
             or self.add_zero_attn
             or (self.training and self.dropout > 0.0)
             or self.check_equivariance
             or _equivariance.SWITCH.active
-            or self.skip_unread_weights
             # The call: a real batched tensor, outside traces and transforms (checked before the
             # torch calls below, so that Dynamo and the tracers never reach them).
             or type(query) is not Tensor
@@ -203,19 +204,25 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
                                              or out_weight.requires_grad or out_bias.requires_grad))
             or torch.is_autocast_enabled("cuda" if query.is_cuda else "cpu")
-            or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
             or torch.overrides.has_torch_function((weight, bias, out_weight, out_bias))
+            or query.shape[2] != self.embed_dim
+            or query.numel() == 0
+        ):
+            return None
+        if not need_weights:
+            return self._attend_without_weights(query, weight, bias, out_weight, out_bias), None
+        if (
+            # What stock's fast path refuses (but sequence-first), and slim's own weights options.
+            self.num_heads % 2
+            or self.skip_unread_weights
+            or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
             or blocks_forced()
         ):
             return None
         if not self.batch_first:  # (L, B, E): the kernel takes it batch-first, as a view
             query = query.transpose(0, 1)
-        batch, length, embed_dim = query.shape
-        if (
-            embed_dim != self.embed_dim
-            or batch * length == 0
-            or not below_checked_size(batch, self.num_heads, length, length, query.element_size())
-        ):
+        batch, length, _ = query.shape
+        if not below_checked_size(batch, self.num_heads, length, length, query.element_size()):
             return None
         out, weights = stock_kernel_with_head_weights(
             query, self.num_heads, weight, without_key_bias_untracked(bias), out_weight, out_bias
@@ -223,6 +230,17 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
         return out, mean_over_heads(weights) if average else weights
+
+    def _attend_without_weights(
+        self, query: Tensor, weight: Tensor, bias: Tensor, out_weight: Tensor, out_bias: Tensor
+    ) -> Tensor:
+        """The general path's ops for plain self-attention without weights, nothing else."""
+        projected = F.linear(query, weight, without_key_bias_untracked(bias))
+        q, k, v = _split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
+        del projected
+        out = _merge_heads(F.scaled_dot_product_attention(q, k, v), self.batch_first)
+        del q, k, v  # free the projection before the output projection allocates: lower peak
+        return F.linear(out, out_weight, out_bias)
 
     def _attend(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
@@ -235,9 +253,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         self._check_embed_dims(query, key, value)
 
         dropout_p = self.dropout if self.training else 0.0
+        symbolic = is_symbolic_call(query)  # asked once: the projections and the weights path both need it
         # Weights without a graph: the queries may come scaled, from stock's own head-split op.
         q, k, v, q_scaled = self._project(
-            query, key, value, batch_first, stock_heads=need_weights and dropout_p == 0.0
+            query, key, value, batch_first, symbolic=symbolic, stock_heads=need_weights and dropout_p == 0.0
         )  # (B, H, L, D), (B, H, S, D) x2
         (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
         appended = int(self.bias_k is not None) + int(self.add_zero_attn)
@@ -249,7 +268,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         if need_weights:
             refuse_mask_of_another_dtype(mask, q.dtype, attn_mask, key_padding_mask)
-            out, weights = attention_with_weights(q, k, v, mask, dropout_p, average, q_scaled=q_scaled)
+            out, weights = attention_with_weights(
+                q, k, v, mask, dropout_p, average, q_scaled=q_scaled, symbolic=symbolic
+            )
         else:
             if mask is not None and has_folded_value_bias(self):
                 _refuse_rows_masked_from_every_key(mask)
@@ -281,7 +302,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
 
     def _project(
-        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, stock_heads: bool = False
+        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, symbolic: bool, stock_heads: bool = False
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
         """Input projections without the key bias, fused as far as the inputs allow: ``(B, H, len, D)``
         views, and whether the queries come scaled by ``1/sqrt(D)``.
@@ -289,6 +310,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         With ``stock_heads`` a batch-first self-attention call without a graph takes stock's native
         head split (:func:`~slim_mha._torch_compat.stock_head_split`): one op adds the bias, scales
         the queries and lays q, k and v out head-major, where the views would cost three copies later.
+        ``symbolic``: :func:`~slim_mha._torch_compat.is_symbolic_call` for this call.
         """
         E = self.embed_dim
 
@@ -302,27 +324,32 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return _split_heads(projected, parts, self.num_heads, batch_first)
 
         bias, weight = self.in_proj_bias, self.in_proj_weight
+        # [b_q; 0; b_v] in one op where no graph is recorded, else from pieces whose graph holds no
+        # constant (bias.without_key_bias_untracked); either way the key slot never reaches a sum.
+        untracked = bias is not None and not symbolic and not (torch.is_grad_enabled() and bias.requires_grad)
+        packed = without_key_bias_untracked(bias) if untracked else without_key_bias(bias, E)
         if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
-            fused_bias = without_key_bias(bias, E)
-            if stock_heads and batch_first and _takes_stock_heads(query, weight, fused_bias):
-                if fused_bias is None:
-                    fused_bias = weight.new_zeros(3 * E)
-                q, k, v = stock_head_split(F.linear(query, weight), fused_bias, self.num_heads)
+            if stock_heads and batch_first and not symbolic and _takes_stock_heads(query, weight, packed):
+                if packed is None:
+                    packed = weight.new_zeros(3 * E)
+                q, k, v = stock_head_split(F.linear(query, weight), packed, self.num_heads)
                 return q, k, v, True
-            return (*heads(query, weight, fused_bias, 3), False)
-        # Splits, not slices, past self-attention: a split's backward is one cat into the gradient,
-        # where each slice's backward zero-fills a gradient of the whole parameter and adds into it.
-        b_q, _, b_v = bias.split(E) if bias is not None else (None, None, None)
+            return (*heads(query, weight, packed, 3), False)
+        if untracked:
+            b_q, b_v = packed[:E], packed[2 * E :]
+        else:
+            # Splits, not slices, under autograd: a split's backward is one cat into the gradient,
+            # where each slice's backward zero-fills a gradient of the whole parameter and adds into it.
+            b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
         if not self._qkv_same_embed_dim:
             parts = heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
                 value, self.v_proj_weight, b_v
             )
         elif key is value:  # encoder-decoder attention: one matmul for keys and values
-            w_q, w_kv = weight.split((E, 2 * E))
-            kv_bias = without_key_bias(bias, E)[E:] if bias is not None else None
-            parts = heads(query, w_q, b_q) + heads(key, w_kv, kv_bias, 2)
+            w_q, w_kv = weight.split_with_sizes((E, 2 * E))
+            parts = heads(query, w_q, b_q) + heads(key, w_kv, packed[E:] if packed is not None else None, 2)
         else:
-            w_q, w_k, w_v = weight.split(E)
+            w_q, w_k, w_v = weight.split_with_sizes((E, E, E))
             parts = heads(query, w_q, b_q) + heads(key, w_k, None) + heads(value, w_v, b_v)
         return (*parts, False)
 
@@ -332,6 +359,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         Stock's projected keys carry ``b_k`` and its appended keys do not; ours carry none, so each
         appended key is shifted by ``-b_k`` (the same shift of a whole score row, exact).
         """
+        if self.bias_k is None and self.bias_v is None and not self.add_zero_attn:
+            return k, v
         B, H, _, D = k.shape
         b_k = key_bias(self.in_proj_bias, self.embed_dim)  # (E,) or None
         if self.bias_k is not None and self.bias_v is not None:
@@ -390,7 +419,7 @@ def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:
 
 
 def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Stock's head split applies: no graph, real tensors, one dtype, a non-empty input."""
+    """Stock's head split applies to a call on real tensors: no graph, one dtype, a non-empty input."""
     records_graph = torch.is_grad_enabled() and (
         query.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
@@ -399,7 +428,6 @@ def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bo
         and query.numel() > 0
         and weight.dtype == query.dtype
         and (bias is None or bias.dtype == query.dtype)
-        and not is_symbolic_call(query)
     )
 
 

@@ -53,13 +53,13 @@ def slim_and_stock(num_heads: int):
 
 def estimate(grad: bool, average: bool, heads: int, tokens: int, device: str = "cpu") -> tuple[int, str]:
     q = torch.empty(1, heads, tokens, EMBED_DIM // heads, device=device)  # (B, H, L, D)
-    plan = plan_weights_path(q, tokens, dropout_p=0.0, average=average, records_graph=grad)
+    plan = plan_weights_path(q, tokens, dropout_p=0.0, average=average, records_graph=grad, symbolic=False)
     return guard.weights_path_bytes(q, tokens, plan)
 
 
 def rows(heads: int, tokens: int) -> int:
     q = torch.empty(1, heads, tokens, EMBED_DIM // heads)
-    return plan_weights_path(q, tokens, dropout_p=0.0, average=True, records_graph=False).rows
+    return plan_weights_path(q, tokens, dropout_p=0.0, average=True, records_graph=False, symbolic=False).rows
 
 
 def test_the_cases_take_the_paths_they_are_named_after(monkeypatch):

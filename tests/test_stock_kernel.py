@@ -2,7 +2,7 @@
 
 Self-attention that returns weights, without masks and without a graph, runs stock's
 native kernel (``torch._native_multi_head_attention``) with the bias ``[b_q; 0; b_v]`` and averages
-the heads in slim (``SlimMultiheadAttention._attend_by_stock_kernel``). Every other call takes the
+the heads in slim (``SlimMultiheadAttention._attend_plain``). Every other call takes the
 general path. Each test here counts the kernel's calls, so a call that silently changes path fails,
 and compares the result with stock ``nn.MultiheadAttention`` built from the same weights.
 """

@@ -144,7 +144,7 @@ def test_an_empty_batch_or_sequence_takes_one_pass(shape, monkeypatch):
 def test_one_pass_is_taken_for_large_scores_where_memory_suffices(monkeypatch):
     """Blocks only where one pass would not fit: not above any fixed size."""
     q = torch.empty(1, 8, 4096, 8)  # (B, H, L, D): 512 MiB of float32 scores
-    plan = lambda: explicit.plan_weights_path(q, 4096, dropout_p=0.0, average=True, records_graph=False)  # noqa: E731
+    plan = lambda: explicit.plan_weights_path(q, 4096, dropout_p=0.0, average=True, records_graph=False, symbolic=False)  # noqa: E731
     monkeypatch.setattr(guard, "available_bytes", lambda device: (1 << 40, "the test's limit"))
     assert plan().rows == 4096
     monkeypatch.setattr(guard, "available_bytes", lambda device: (None, "unknown"))
