@@ -20,7 +20,7 @@ from ._torch_compat import (
     stock_head_split,
     stock_kernel_with_head_weights,
 )
-from .bias import key_bias, restore_stock_layout, without_key_bias, without_key_bias_untracked
+from .bias import key_bias, restore_stock_layout, without_key_bias, without_key_bias_eager
 from .equivariance import _mode as _equivariance
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
@@ -225,7 +225,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if not below_checked_size(batch, self.num_heads, length, length, query.element_size()):
             return None
         out, weights = stock_kernel_with_head_weights(
-            query, self.num_heads, weight, without_key_bias_untracked(bias), out_weight, out_bias
+            query, self.num_heads, weight, without_key_bias_eager(bias), out_weight, out_bias
         )  # (B, L, E), (B, H, L, L)
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
@@ -235,7 +235,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         self, query: Tensor, weight: Tensor, bias: Tensor, out_weight: Tensor, out_bias: Tensor
     ) -> Tensor:
         """The general path's ops for plain self-attention without weights, nothing else."""
-        projected = F.linear(query, weight, without_key_bias_untracked(bias))
+        projected = F.linear(query, weight, without_key_bias_eager(bias))
         q, k, v = _split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
         del projected
         out = _merge_heads(F.scaled_dot_product_attention(q, k, v), self.batch_first)
@@ -324,10 +324,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return _split_heads(projected, parts, self.num_heads, batch_first)
 
         bias, weight = self.in_proj_bias, self.in_proj_weight
-        # [b_q; 0; b_v] in one op where no graph is recorded, else from pieces whose graph holds no
-        # constant (bias.without_key_bias_untracked); either way the key slot never reaches a sum.
-        untracked = bias is not None and not symbolic and not (torch.is_grad_enabled() and bias.requires_grad)
-        packed = without_key_bias_untracked(bias) if untracked else without_key_bias(bias, E)
+        # [b_q; 0; b_v] in one op in eager calls, else from pieces whose graph holds no constant
+        # (bias.without_key_bias_eager); either way the key slot never reaches a sum.
+        eager = bias is not None and not symbolic
+        packed = without_key_bias_eager(bias) if eager else without_key_bias(bias, E)
         if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
             if stock_heads and batch_first and not symbolic and _takes_stock_heads(query, weight, packed):
                 if packed is None:
@@ -335,7 +335,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 q, k, v = stock_head_split(F.linear(query, weight), packed, self.num_heads)
                 return q, k, v, True
             return (*heads(query, weight, packed, 3), False)
-        if untracked:
+        if eager:
             b_q, b_v = packed[:E], packed[2 * E :]
         else:
             # Splits, not slices, under autograd: a split's backward is one cat into the gradient,

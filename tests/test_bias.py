@@ -13,7 +13,7 @@ from slim_mha.bias import (
     keeps_key_bias,
     unfold_key_bias,
     without_key_bias,
-    without_key_bias_untracked,
+    without_key_bias_eager,
 )
 
 E, H = 8, 2
@@ -96,7 +96,7 @@ def test_the_one_op_layout_is_the_graph_layout_bit_for_bit(dtype, embed_dim):
     key_slot = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 1e4])
     bias[embed_dim : 2 * embed_dim] = key_slot.repeat(embed_dim)[:embed_dim].to(dtype)
     before = bias.clone()
-    one_op, graph = without_key_bias_untracked(bias), without_key_bias(bias, embed_dim)
+    one_op, graph = without_key_bias_eager(bias), without_key_bias(bias, embed_dim)
     assert one_op.dtype == dtype and one_op.shape == (3 * embed_dim,)
     assert torch.equal(one_op.view(torch.int8), graph.view(torch.int8))  # bits: +0.0 in the slot, not -0.0
     assert torch.equal(one_op[:embed_dim], bias[:embed_dim]) and torch.equal(one_op[2 * embed_dim :], bias[2 * embed_dim :])
@@ -109,8 +109,28 @@ def test_the_one_op_layout_records_no_graph_and_outlives_inference_mode():
     its cached mask, made outside inference mode, serves calls inside and outside it."""
     bias = torch.nn.Parameter(torch.randn(3 * E))
     with torch.inference_mode():
-        inside = without_key_bias_untracked(bias)
+        inside = without_key_bias_eager(bias)
     with torch.no_grad():
-        outside = without_key_bias_untracked(bias)
+        outside = without_key_bias_eager(bias)
     assert inside.grad_fn is None and outside.grad_fn is None and not outside.requires_grad
     assert torch.equal(inside, outside) and torch.equal(outside, without_key_bias(bias, E).detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_one_op_layout_under_autograd_gives_the_graph_layouts_gradient_bit_for_bit(dtype):
+    """Eager training calls build ``[b_q; 0; b_v]`` in one op too: the key slot's gradient is exactly
+    zero (not noise that cancels), whatever the key slot and the incoming gradient hold."""
+    bias = torch.randn(3 * E, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias[E : 2 * E] = float("nan")
+    incoming = torch.randn(3 * E, generator=torch.Generator().manual_seed(4)).to(dtype)
+    incoming[E] = float("inf")  # what reaches the key slot must not leak into the gradient
+    gradients = []
+    for build in (without_key_bias_eager, lambda b: without_key_bias(b, E)):
+        leaf = bias.clone().requires_grad_()
+        packed = build(leaf)
+        assert packed.grad_fn is not None
+        packed.backward(incoming)
+        gradients.append(leaf.grad)
+    one_op, graph = gradients
+    assert torch.equal(one_op[E : 2 * E], torch.zeros(E, dtype=dtype))
+    assert torch.equal(one_op, graph)

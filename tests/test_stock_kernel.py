@@ -305,7 +305,7 @@ def test_the_comparison_fails_on_a_wrong_average_of_the_kernels_weights(kernel_c
 
 def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, monkeypatch):
     """With a key bias of 1e6 in the kernel's bias, the scores lose their precision: the check sees it."""
-    monkeypatch.setattr(attention, "without_key_bias_untracked", lambda bias: bias)
+    monkeypatch.setattr(attention, "without_key_bias_eager", lambda bias: bias)
     stock, slim = modules()
     with torch.no_grad():
         stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0
