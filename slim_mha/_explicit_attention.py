@@ -86,7 +86,7 @@ def attention_with_weights(
     plan = plan_weights_path(
         q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph, symbolic=symbolic
     )
-    check_weights_fit(q, k.shape[2], plan)  # before any (B, H, L, S)
+    check_weights_fit(q, k.shape[2], plan, symbolic=symbolic)  # before any (B, H, L, S)
     if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad
         return _attention_functional(q, k, v, mask, dropout_p, average, q_scaled)
     if plan.rows < q.shape[2]:

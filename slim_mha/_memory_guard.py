@@ -83,14 +83,15 @@ _CHECK_ABOVE_BYTES = 1 << 28
 _UNLIMITED_CGROUP = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 
-def check_weights_fit(q: Tensor, src_len: int, plan) -> None:
+def check_weights_fit(q: Tensor, src_len: int, plan, *, symbolic: bool = True) -> None:
     """Raise ``torch.OutOfMemoryError`` if the weights path ``plan`` for ``q`` ``(B, H, L, D)`` cannot fit.
 
     ``src_len`` is the number of keys (appended ``bias_k``/zero-attention tokens included); ``plan``
     is the path the call takes (``_explicit_attention.plan_weights_path``), so the estimate counts
-    what that very path holds.
+    what that very path holds. ``symbolic=False`` (``is_symbolic_call`` said so) skips asking
+    whether a graph is being captured, which it would have ruled out.
     """
-    if is_capturing_graph():  # symbolic or recorded sizes: no allocation here
+    if symbolic and is_capturing_graph():  # symbolic or recorded sizes: no allocation here
         return
     head_maps = q.numel() // q.size(-1) * src_len * q.element_size()  # bytes of one (B, H, L, S) tensor
     if 2 * head_maps + head_maps // q.size(1) < _CHECK_ABOVE_BYTES:  # the most any path below holds

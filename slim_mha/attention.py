@@ -193,16 +193,17 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             or (self.training and self.dropout > 0.0)
             or self.check_equivariance
             or _equivariance.SWITCH.active
-            # The call: a real batched tensor, outside traces and transforms (checked before the
-            # torch calls below, so that Dynamo and the tracers never reach them).
+            # The call: a real batched tensor without a graph (the graph first: a training call
+            # leaves here at once), outside traces and transforms (checked before the torch calls
+            # below, so that Dynamo and the tracers never reach them).
             or type(query) is not Tensor
+            or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
+                                             or out_weight.requires_grad or out_bias.requires_grad))
             or is_symbolic_call(query)
             or query.dim() != 3
             or query.is_nested
             or not (query.is_cpu or query.is_cuda)  # device.type would build a device object
             or not query.dtype == weight.dtype == bias.dtype == out_weight.dtype == out_bias.dtype
-            or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
-                                             or out_weight.requires_grad or out_bias.requires_grad))
             or torch.is_autocast_enabled("cuda" if query.is_cuda else "cpu")
             or torch.overrides.has_torch_function((weight, bias, out_weight, out_bias))
             or query.shape[2] != self.embed_dim
@@ -324,34 +325,34 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return _split_heads(projected, parts, self.num_heads, batch_first)
 
         bias, weight = self.in_proj_bias, self.in_proj_weight
-        # [b_q; 0; b_v] in one op in eager calls, else from pieces whose graph holds no constant
-        # (bias.without_key_bias_eager); either way the key slot never reaches a sum.
-        eager = bias is not None and not symbolic
-        packed = without_key_bias_eager(bias) if eager else without_key_bias(bias, E)
-        if self._qkv_same_embed_dim and query is key and key is value:  # self-attention: one matmul
+        self_attention = self._qkv_same_embed_dim and query is key and key is value
+        if self_attention or (self._qkv_same_embed_dim and key is value):
+            # A fused projection takes the key's rows: [b_q; 0; b_v], in one op in eager calls, else
+            # from pieces whose graph holds no constant. Either way the key slot never reaches a sum.
+            if bias is None or symbolic:
+                packed = without_key_bias(bias, E)
+            else:
+                packed = without_key_bias_eager(bias)
+        if self_attention:  # one matmul
             if stock_heads and batch_first and not symbolic and _takes_stock_heads(query, weight, packed):
                 if packed is None:
                     packed = weight.new_zeros(3 * E)
                 q, k, v = stock_head_split(F.linear(query, weight), packed, self.num_heads)
                 return q, k, v, True
             return (*heads(query, weight, packed, 3), False)
-        if eager:
-            b_q, b_v = packed[:E], packed[2 * E :]
-        else:
-            # Splits, not slices, under autograd: a split's backward is one cat into the gradient,
-            # where each slice's backward zero-fills a gradient of the whole parameter and adds into it.
-            b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
-        if not self._qkv_same_embed_dim:
-            parts = heads(query, self.q_proj_weight, b_q) + heads(key, self.k_proj_weight, None) + heads(
-                value, self.v_proj_weight, b_v
-            )
-        elif key is value:  # encoder-decoder attention: one matmul for keys and values
+        # Splits, not slices: under autograd a split's backward is one cat into the gradient, where
+        # each slice's backward zero-fills a gradient of the whole parameter and adds into it.
+        if self._qkv_same_embed_dim and key is value:  # encoder-decoder attention: one matmul for keys and values
             w_q, w_kv = weight.split_with_sizes((E, 2 * E))
-            parts = heads(query, w_q, b_q) + heads(key, w_kv, packed[E:] if packed is not None else None, 2)
-        else:
+            b_q, kv_bias = packed.split_with_sizes((E, 2 * E)) if packed is not None else (None, None)
+            return (*heads(query, w_q, b_q), *heads(key, w_kv, kv_bias, 2), False)
+        # Separate projections: the key's takes no bias at all.
+        b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
+        if self._qkv_same_embed_dim:
             w_q, w_k, w_v = weight.split_with_sizes((E, E, E))
-            parts = heads(query, w_q, b_q) + heads(key, w_k, None) + heads(value, w_v, b_v)
-        return (*parts, False)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        return (*heads(query, w_q, b_q), *heads(key, w_k, None), *heads(value, w_v, b_v), False)
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
@@ -447,7 +448,7 @@ def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: boo
         return list(heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)).unbind(0))
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
     # One part is not split: a split into one piece still copies its gradient in the backward.
-    pieces = projected.split(num_heads * head_dim, dim=-1) if parts > 1 else (projected,)
+    pieces = projected.split_with_sizes((num_heads * head_dim,) * parts, dim=-1) if parts > 1 else (projected,)
     return [part.view(d0, d1, num_heads, head_dim).permute(order) for part in pieces]  # (B, H, L, D) each
 
 

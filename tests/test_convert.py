@@ -11,7 +11,8 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention, convert, fold_value_bias, patched, to_stock
-from slim_mha._swap import has_folded_value_bias
+from slim_mha._swap import FOLDED_VALUE_BIAS, SLIM_ATTRIBUTES, has_folded_value_bias
+from slim_mha.attention import slim_options
 from slim_mha.patching import PatchedMultiheadAttention
 
 E, H = 8, 2
@@ -303,3 +304,11 @@ def test_fold_value_bias_refuses_zero_attention_and_stock_modules_before_changin
         fold_value_bias(STOCK_MHA(E, H))
     fold_value_bias(model["good"])
     assert has_folded_value_bias(good)
+
+
+def test_the_attributes_a_swap_to_stock_drops_are_slims_options_and_the_fold_mark():
+    """``_swap`` cannot import ``slim_options`` (attention imports ``_swap``): this ties the two lists."""
+    assert set(SLIM_ATTRIBUTES) == set(slim_options()) | {FOLDED_VALUE_BIAS}
+    slim = SlimMultiheadAttention(8, 2)
+    assert set(SLIM_ATTRIBUTES) - {FOLDED_VALUE_BIAS} <= set(vars(slim))
+    assert not set(SLIM_ATTRIBUTES) & set(vars(to_stock(slim)))

@@ -11,6 +11,7 @@ from .runner import TOLERANCE
 __all__ = [
     "TargetCheck",
     "evaluate_targets",
+    "excess_text",
     "format_markdown",
     "format_profiles",
     "format_summary",
@@ -162,7 +163,7 @@ def format_summary(results: list[dict]) -> str:
         excess = max(result["memory"]["slim"]["peak_bytes"] - result["memory"]["stock"]["peak_bytes"] for result in plain)
         lines.append(
             f"memory: slim's peak at or below stock's in {sum(peak <= 1.0 for peak in peaks)}/{len(plain)} cases "
-            f"(largest slim/stock {max(peaks):.2f}{_excess_text(excess)})"
+            f"(largest slim/stock {max(peaks):.2f}{excess_text(excess)})"
         )
     worst = max(results, key=lambda result: result["relative_error"]["slim"])
     agreeing = sum(result["agrees"] for result in results)
@@ -249,7 +250,7 @@ def _describe_allocator(environment: dict) -> str:
     return f"{allocator['library']}, warm: {settings}" + (f"; environment: {inherited}" if inherited else "")
 
 
-def _excess_text(excess: int) -> str:
+def excess_text(excess: int) -> str:
     """How far the largest slim peak is above stock's, in bytes a reader can weigh; empty if none is."""
     return f", slim at most {excess / 1024:.1f} KiB above stock" if excess > 0 else ""
 
@@ -319,7 +320,7 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
         over = next(result for result in plain if result["name"] == memory_check.worst_case)
         excess = over["memory"]["slim"]["peak_bytes"] - over["memory"]["stock"]["peak_bytes"]
         checks[2] = replace(memory_check, detail=f"worst {memory_check.worst_value:.4f} at "
-                            f"{' '.join(memory_check.worst_case.split())}{_excess_text(excess)}")
+                            f"{' '.join(memory_check.worst_case.split())}{excess_text(excess)}")
     largest = max(results, key=lambda result: result["relative_error"]["slim"], default=None)
     if largest is not None:  # the agreement values are flags: say what was measured instead
         checks[-1] = replace(

@@ -27,7 +27,7 @@ from .cases import TARGET_SHAPES, Case, parse_shape
 from .contenders import MASKS, Contender, build_contenders, fast_path_enabled, output_error
 from .load import competing_load
 from .options import add_timing_options, timing_settings
-from .report import _excess_text, write_json
+from .report import excess_text, write_json
 from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment, measure_step_memory
 from .timing import measure
 
@@ -197,7 +197,7 @@ def format_verdict(results: list[dict], busy: int) -> str:
         f"{sum(ratio >= least for ratio in speed)}/{len(results)} shapes (least {min(speed):.3f}x)",
         f"slim/floor (paired) <= 1.05: {sum(ratio <= 1.05 for ratio in floor)}/{len(results)} shapes "
         f"(most {max(floor):.3f}x)",
-        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes{_excess_text(excess)}",
+        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes{excess_text(excess)}",
     ])
 
 
