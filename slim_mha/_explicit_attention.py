@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
 
-__all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path"]
+__all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path", "scaled_heads"]
 
 # Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
 # most this many bytes of scores even where one pass fits; None: the memory guard decides.
@@ -174,6 +174,13 @@ def _batched_mask(mask: Tensor, batch: int, heads: int) -> Tensor:
         return mask  # (L or 1, S), the same for every batch and head
     rows, src_len = mask.shape[-2:]
     return mask.expand(batch, heads, rows, src_len).reshape(batch * heads, rows, src_len)
+
+
+def scaled_heads(q: Tensor) -> Tensor:
+    """``q / sqrt(D)``, ``(B, H, L, D)`` contiguous: what :func:`attention_with_weights` takes with
+    ``q_scaled=True`` and may write into. Without a graph only."""
+    B, H, L, D = q.shape
+    return _scaled_matrices(q).view(B, H, L, D)
 
 
 def _scaled_matrices(q: Tensor) -> Tensor:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads
+from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads, scaled_heads
 from ._memory_guard import below_checked_size
 from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
@@ -257,7 +259,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         symbolic = is_symbolic_call(query)  # asked once: the projections and the weights path both need it
         # Weights without a graph: the queries may come scaled, from stock's own head-split op.
         q, k, v, q_scaled = self._project(
-            query, key, value, batch_first, symbolic=symbolic, stock_heads=need_weights and dropout_p == 0.0
+            query, key, value, batch_first, symbolic=symbolic, weights_pass=need_weights and dropout_p == 0.0
         )  # (B, H, L, D), (B, H, S, D) x2
         (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
         appended = int(self.bias_k is not None) + int(self.add_zero_attn)
@@ -303,28 +305,39 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
 
     def _project(
-        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, symbolic: bool, stock_heads: bool = False
+        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, symbolic: bool, weights_pass: bool = False
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
-        """Input projections without the key bias, fused as far as the inputs allow: ``(B, H, len, D)``
-        views, and whether the queries come scaled by ``1/sqrt(D)``.
+        """Input projections without the key bias, fused as far as the inputs allow: q, k and v
+        ``(B, H, len, D)``, and whether the queries come scaled by ``1/sqrt(D)``.
 
-        With ``stock_heads`` a batch-first self-attention call without a graph takes stock's native
-        head split (:func:`~slim_mha._torch_compat.stock_head_split`): one op adds the bias, scales
-        the queries and lays q, k and v out head-major, where the views would cost three copies later.
-        ``symbolic``: :func:`~slim_mha._torch_compat.is_symbolic_call` for this call.
+        They are views of the projections, except where ``weights_pass`` (weights without dropout)
+        meets a call without a graph: the one-pass weights path multiplies each head's rows as one
+        matrix, so q, k and v come head-major and contiguous, the queries scaled, each copied in one
+        op as its projection dies rather than later beside it. Batch-first self-attention takes
+        stock's native head split there (:func:`~slim_mha._torch_compat.stock_head_split`), which
+        adds the bias, scales and lays out all three in one op. ``symbolic``:
+        :func:`~slim_mha._torch_compat.is_symbolic_call` for this call.
         """
-        E = self.embed_dim
-
-        def heads(x: Tensor, weight: Tensor, bias: Tensor | None, parts: int = 1) -> list[Tensor]:
-            # parts is passed, not read off weight.shape: under jit.trace a size read becomes a graph
-            # value, and its conversion back to int lands at different places in the two traces.
-            if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
-                projected = F.linear(x, weight) + bias
-            else:
-                projected = F.linear(x, weight, bias)
-            return _split_heads(projected, parts, self.num_heads, batch_first)
-
+        E, H = self.embed_dim, self.num_heads
         bias, weight = self.in_proj_bias, self.in_proj_weight
+        # Weights in one pass, without a graph: q, k and v go to it head-major, each head's rows one
+        # matrix, copied here in one op each as their projection dies, not later while it lives.
+        one_pass = weights_pass and not symbolic and not (
+            torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (query, key, value, *self._parameters.values()))
+        )
+
+        def project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+            if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
+                return F.linear(x, weight) + bias
+            return F.linear(x, weight, bias)
+
+        def queries(projected: Tensor) -> Tensor:
+            (q,) = _split_heads(projected, 1, H, batch_first)
+            return scaled_heads(q) if one_pass else q  # the one-pass path's scaled copy, made here
+
+        # Parts are passed, not read off weight.shape: under jit.trace a size read becomes a graph
+        # value, and its conversion back to int lands at different places in the two traces.
         self_attention = self._qkv_same_embed_dim and query is key and key is value
         if self_attention or (self._qkv_same_embed_dim and key is value):
             # A fused projection takes the key's rows: [b_q; 0; b_v], in one op in eager calls, else
@@ -334,25 +347,35 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             else:
                 packed = without_key_bias_eager(bias)
         if self_attention:  # one matmul
-            if stock_heads and batch_first and not symbolic and _takes_stock_heads(query, weight, packed):
+            if one_pass and batch_first and _takes_stock_heads(query, weight, packed):
                 if packed is None:
                     packed = weight.new_zeros(3 * E)
-                q, k, v = stock_head_split(F.linear(query, weight), packed, self.num_heads)
+                q, k, v = stock_head_split(F.linear(query, weight), packed, H)
                 return q, k, v, True
-            return (*heads(query, weight, packed, 3), False)
+            q, k, v = _split_heads(project(query, weight, packed), 3, H, batch_first, contiguous=one_pass)
+            if one_pass:  # the copy is ours: the queries scaled in place, as stock's head split scales them
+                q.mul_(math.sqrt(1.0 / float(q.shape[-1])))
+            return q, k, v, one_pass
         # Splits, not slices: under autograd a split's backward is one cat into the gradient, where
         # each slice's backward zero-fills a gradient of the whole parameter and adds into it.
         if self._qkv_same_embed_dim and key is value:  # encoder-decoder attention: one matmul for keys and values
             w_q, w_kv = weight.split_with_sizes((E, 2 * E))
             b_q, kv_bias = packed.split_with_sizes((E, 2 * E)) if packed is not None else (None, None)
-            return (*heads(query, w_q, b_q), *heads(key, w_kv, kv_bias, 2), False)
-        # Separate projections: the key's takes no bias at all.
+            del packed
+            q = queries(project(query, w_q, b_q))
+            projected = project(key, w_kv, kv_bias)
+            del b_q, kv_bias  # the built bias is freed before the copies: it is not kept beside them
+            k, v = _split_heads(projected, 2, H, batch_first, contiguous=one_pass)
+            return q, k, v, one_pass
         b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = weight.split_with_sizes((E, E, E))
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        return (*heads(query, w_q, b_q), *heads(key, w_k, None), *heads(value, w_v, b_v), False)
+        q = queries(project(query, w_q, b_q))
+        (k,) = _split_heads(project(key, w_k, None), 1, H, batch_first, contiguous=one_pass)  # no key bias
+        (v,) = _split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
+        return q, k, v, one_pass
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
@@ -432,8 +455,15 @@ def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bo
     )
 
 
-def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: bool) -> list[Tensor]:
+def _split_heads(
+    projected: Tensor, parts: int, num_heads: int, batch_first: bool, *, contiguous: bool = False
+) -> list[Tensor]:
     """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
+
+    ``contiguous`` (only without a graph): views of one head-major copy, ``(parts, B, H, L, D)``,
+    made in one op, so that each head's rows are one matrix of a batched product. (Views whose
+    ``B`` and ``H`` fold without that copy, as sequence-first ones can, make the products 4-10%
+    slower on CPU: their rows are ``B·E`` elements apart.)
 
     When a graph is recorded the last axis is split first, so that the backward is a single ``cat``
     straight into the projection's layout (unbinding a 5-D view would backprop through a ``stack``
@@ -445,7 +475,8 @@ def _split_heads(projected: Tensor, parts: int, num_heads: int, batch_first: boo
     # and the two traces must agree.
     if not projected.requires_grad and not torch.jit.is_tracing():
         heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
-        return list(heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4)).unbind(0))
+        heads = heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4))  # (parts, B, H, L, D)
+        return list((heads.contiguous() if contiguous else heads).unbind(0))
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
     # One part is not split: a split into one piece still copies its gradient in the backward.
     pieces = projected.split_with_sizes((num_heads * head_dim,) * parts, dim=-1) if parts > 1 else (projected,)

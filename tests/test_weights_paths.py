@@ -195,3 +195,32 @@ def test_stock_head_split_with_only_the_mask_and_appended_tokens_needing_grad_ma
         results.append((out.detach(), weights.detach(), mask.grad, module.bias_k.grad))
     for actual, expected in zip(results[1], results[0]):
         assert_close_scaled(actual, expected)
+
+
+@pytest.mark.parametrize("shape", [(8, 64, 128, 8), (16, 32, 256, 8)])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("shared_key_value", [True, False])
+def test_cross_attention_with_weights_peaks_no_higher_than_stock(shape, batch_first, shared_key_value):
+    """The one pass gets q, k and v head-major, each copied in one op as its projection dies, so where
+    the scores are no larger than a projection slim holds no more than stock. With copies made later
+    beside the projections, slim's peak was 3.19 MiB against stock's 2.69 MiB at the second shape."""
+    from slim_mha.bench.memory import profile_step
+
+    batch, length, embed, heads = shape
+    stock = randomize_parameters(STOCK_MHA(embed, heads, batch_first=batch_first)).eval()
+    slim = SlimMultiheadAttention(embed, heads, batch_first=batch_first).eval()
+    slim.load_state_dict(stock.state_dict())
+    generator = torch.Generator().manual_seed(5)
+    layout = (lambda n: (batch, n, embed)) if batch_first else (lambda n: (n, batch, embed))
+    query = torch.randn(*layout(length), generator=generator)
+    key = torch.randn(*layout(length + 3), generator=generator)
+    value = key if shared_key_value else torch.randn(*layout(length + 3), generator=generator)
+    peaks = {}
+    with torch.inference_mode():
+        for name, module in (("stock", stock), ("slim", slim)):
+            module(query, key, value)  # warm
+            peaks[name] = profile_step(lambda: module(query, key, value), query.device).peak_bytes
+        expected, actual = stock(query, key, value), slim(query, key, value)
+    assert_close_scaled(actual[0], expected[0])
+    assert_close_scaled(actual[1], expected[1], "weights")
+    assert peaks["slim"] <= peaks["stock"], peaks
