@@ -1,6 +1,6 @@
 """Stock's default call in stock's default layout: sequence-first self-attention that returns weights.
 
-    python benchmarks/sequence_first_weights.py [--repeats 21] [--threads 2] [--busy N] [--shape 8x128x256x8 ...]
+    python benchmarks/sequence_first_weights.py [--repeats 21] [--threads 2] [--busy N] [--cross] [--shape 8x128x256x8 ...]
 
 ``nn.MultiheadAttention(E, H)`` is sequence-first, and ``attn(x, x, x)`` asks for the averaged
 weights. Stock's fast path refuses that layout, so stock runs its Python path; slim runs stock's
@@ -9,6 +9,8 @@ benchmark's own timer (``slim_mha.bench.timing``), the allocator warm, beside ``
 processes (``slim_mha.bench.load``): stock, slim, and slim's own
 one-pass path (stock's fast path switched off around its calls, which slim follows). Printed per
 shape: the median ms, and paired stock/slim and stock/one_pass (the median of the per-repeat ratios).
+``--cross``: encoder-decoder attention instead, over a memory of ``L`` tokens passed as key and
+value; both modules run their Python paths there, so only stock and slim are timed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from slim_mha.bench.timing import Settings, measure
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")
 
 
-def steps(shape: tuple[int, int, int, int]) -> dict:
+def steps(shape: tuple[int, int, int, int], cross: bool = False) -> dict:
     batch, length, width, heads = shape
     torch.manual_seed(0)
     stock = nn.MultiheadAttention(width, heads).eval()
@@ -40,17 +42,20 @@ def steps(shape: tuple[int, int, int, int]) -> dict:
     slim = SlimMultiheadAttention(width, heads).eval()
     slim.load_state_dict(stock.state_dict())
     x = torch.randn(length, batch, width)  # (L, B, E)
+    memory = torch.randn(length, batch, width) if cross else x
 
     def call(module, context=contextlib.nullcontext):
         def step() -> None:
             with context(), torch.inference_mode():
-                module(x, x, x)
+                module(x, memory, memory)
 
         return step, lambda: None
 
     with torch.inference_mode():
-        expected, actual = stock(x, x, x), slim(x, x, x)
+        expected, actual = stock(x, memory, memory), slim(x, memory, memory)
     error = max(float((a - e).abs().max() / e.abs().max()) for a, e in zip(actual, expected))
+    if cross:
+        return {"stock": call(stock), "slim": call(slim)}, error
     own_path = call(slim, lambda: fast_path_enabled(False))
     return {"stock": call(stock), "slim": call(slim), "one_pass": own_path}, error
 
@@ -61,16 +66,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
     parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(SHAPES)})")
+    parser.add_argument("--cross", action="store_true", help="encoder-decoder attention instead of self-attention")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not 0 <= args.busy <= 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
-          f"busy {args.busy}")
+          f"busy {args.busy}, {'cross' if args.cross else 'self'}-attention")
     with competing_load(args.busy, 1800), allocator_state("warm"):
         for text in args.shape or SHAPES:
             shape = parse_shape(text)
-            contenders, error = steps(shape)
+            contenders, error = steps(shape, args.cross)
             timings = measure(contenders, torch.device("cpu"), Settings(repeats=args.repeats))
             stock = timings["stock"].samples_ms
 
@@ -78,8 +84,9 @@ def main() -> None:
                 return statistics.median(a / b for a, b in zip(stock, timings[name].samples_ms))
 
             ms = "  ".join(f"{name} {summary.median_ms:.2f}" for name, summary in timings.items())
-            print(f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}: ms {ms}; paired stock/slim "
-                  f"{paired('slim'):.3f}x, stock/one_pass {paired('one_pass'):.3f}x; relative error {error:.1e}")
+            ratios = ", ".join(f"stock/{name} {paired(name):.3f}x" for name in timings if name != "stock")
+            print(f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}: ms {ms}; paired {ratios}; "
+                  f"relative error {error:.1e}")
 
 
 if __name__ == "__main__":

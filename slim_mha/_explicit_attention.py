@@ -99,8 +99,10 @@ def _attention_in_one_pass(
 ) -> tuple[Tensor, Tensor]:
     """Without a graph: every head's scores at once, softmaxed in place; the output in q's copy.
 
-    Each copy lives only as long as its product needs it, and the output takes q's copy: what the
-    path holds beside the scores never exceeds two ``(B, H, L, D)`` tensors, as in stock's kernel.
+    Head-major contiguous inputs (as the module's projections give them) are used as they are;
+    others are copied, each copy living only as long as its product needs it. The output takes q's
+    copy: what the path adds beside the scores never exceeds two ``(B, H, L, D)`` tensors, as in
+    stock's kernel.
     """
     B, H, L, D = q.shape
     S = k.shape[2]
