@@ -14,7 +14,6 @@ of scores. Printed per shape: each contender's peak above the call's start, and 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -26,6 +25,7 @@ from slim_mha._torch_compat import stock_kernel_with_head_weights
 from slim_mha.bench.allocator import allocator_state
 from slim_mha.bench.cases import parse_shape
 from slim_mha.bench.load import competing_load
+from slim_mha.bench.options import parse_script_arguments, script_parser
 from slim_mha.bench.memory import profile_step
 from slim_mha.bench.timing import Settings, measure
 from slim_mha.bias import without_key_bias_eager
@@ -85,17 +85,7 @@ def contenders(shape: tuple[int, int, int, int]) -> tuple[dict, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
-    parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(SHAPES)})")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if not 0 <= args.busy <= 64:
-        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
-          f"busy {args.busy}")
+    args = parse_script_arguments(script_parser(__doc__, SHAPES))
     with competing_load(args.busy, 1800), allocator_state("warm"):
         for text in args.shape or SHAPES:
             shape = parse_shape(text)

@@ -15,7 +15,6 @@ value; both modules run their Python paths there, so only stock and slim are tim
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 
@@ -27,6 +26,7 @@ from slim_mha.bench.allocator import allocator_state
 from slim_mha.bench.cases import parse_shape
 from slim_mha.bench.contenders import fast_path_enabled
 from slim_mha.bench.load import competing_load
+from slim_mha.bench.options import parse_script_arguments, script_parser
 from slim_mha.bench.timing import Settings, measure
 
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")
@@ -61,18 +61,10 @@ def steps(shape: tuple[int, int, int, int], cross: bool = False) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
-    parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(SHAPES)})")
+    parser = script_parser(__doc__, SHAPES)
     parser.add_argument("--cross", action="store_true", help="encoder-decoder attention instead of self-attention")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if not 0 <= args.busy <= 64:
-        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
-          f"busy {args.busy}, {'cross' if args.cross else 'self'}-attention")
+    args = parse_script_arguments(parser)
+    print(f"{'cross' if args.cross else 'self'}-attention")
     with competing_load(args.busy, 1800), allocator_state("warm"):
         for text in args.shape or SHAPES:
             shape = parse_shape(text)

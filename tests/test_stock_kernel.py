@@ -14,6 +14,23 @@ import copy
 
 import pytest
 import torch
+from _plain_calls import (
+    BATCH,
+    EMBED,
+    HEADS,
+    LENGTH,
+    REFUSED,
+    REFUSED_OPTIONS,
+    Halved,
+    Tagged,
+    assert_like_stock,
+    check_any_key_slot_gives_stocks_output,
+    check_parameter_writes_are_seen,
+    modules,
+    recorded_calls,
+    refused_call,
+    tokens,
+)
 from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch.nn.utils import parametrize
 
@@ -23,43 +40,11 @@ from slim_mha import _explicit_attention as explicit
 from slim_mha import _memory_guard as guard
 from slim_mha.bench.contenders import fast_path_enabled
 
-BATCH, LENGTH, EMBED, HEADS = 3, 6, 16, 4
-
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """Every call of stock's kernel from slim, recorded."""
-    calls = []
-    real = attention.stock_kernel_with_head_weights
-
-    def counted(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(attention, "stock_kernel_with_head_weights", counted)
-    return calls
-
-
-def modules(heads: int = HEADS, dtype: torch.dtype = torch.float32, **options) -> tuple:
-    options = {"batch_first": True, **options}
-    stock = randomize_parameters(STOCK_MHA(EMBED, heads, dtype=dtype, **options))  # the key slot included
-    slim = SlimMultiheadAttention(EMBED, heads, dtype=dtype, **options)
-    slim.load_state_dict(stock.state_dict())
-    return stock.eval(), slim.eval()
-
-
-def tokens(dtype: torch.dtype = torch.float32, *shape: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(7)
-    return torch.randn(*(shape or (BATCH, LENGTH, EMBED)), generator=generator, dtype=torch.float64).to(dtype)
-
-
-def assert_like_stock(stock, slim, *args, **kwargs) -> None:
-    expected, actual = stock(*args, **kwargs), slim(*args, **kwargs)
-    assert_close_scaled(actual[0], expected[0])
-    if expected[1] is None:
-        assert actual[1] is None
-    else:
-        assert_close_scaled(actual[1], expected[1], "weights")
+    return recorded_calls(monkeypatch, attention, "stock_kernel_with_head_weights")
 
 
 # ---------------------------------------------------------------------------- calls that take it
@@ -120,27 +105,12 @@ def test_other_calls_stocks_fast_path_would_take_take_it_too(case, kernel_calls)
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e6])
 def test_whatever_the_key_slot_holds_the_output_is_stocks_without_it(poison, kernel_calls):
-    stock, slim = modules()
-    with torch.no_grad():
-        stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0  # stock's function is the same for every key bias
-        slim.in_proj_bias[EMBED : 2 * EMBED] = poison
-        x = tokens()
-        assert_like_stock(stock, slim, x, x, x)
+    check_any_key_slot_gives_stocks_output(poison)
     assert len(kernel_calls) == 1
 
 
 def test_writes_to_the_parameters_between_calls_are_seen(kernel_calls):
-    """Nothing derived from the parameters is kept: EMA's ``p.data`` writes, a dtype change after a call."""
-    stock, slim = modules()
-    x = tokens()
-    with torch.no_grad():
-        slim(x, x, x)
-        for module in (stock, slim):
-            for parameter in module.parameters():
-                parameter.data.mul_(0.5).add_(0.25)  # an EMA step, through .data (no version bump)
-        assert_like_stock(stock, slim, x, x, x)
-        stock, slim, x = stock.double(), slim.double(), x.double()
-        assert_like_stock(stock, slim, x, x, x)
+    check_parameter_writes_are_seen()
     assert len(kernel_calls) == 3
 
 
@@ -159,53 +129,24 @@ def test_a_copy_and_a_state_dict_round_trip_take_it_and_agree(kernel_calls):
 # ---------------------------------------------------------------------- calls that must not take it
 
 
-def _masks():
-    padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
-    padding[0, -2:] = True
-    causal = torch.triu(torch.ones(LENGTH, LENGTH, dtype=torch.bool), diagonal=1)
-    return padding, causal
-
-
 GENERAL_PATH = [
-    "odd heads", "sequence first, odd heads", "key padding mask", "bool attn_mask", "float attn_mask", "causal mask",
-    "cross attention", "shared key and value", "graph recorded", "add_bias_kv", "add_zero_attn",
-    "kdim and vdim", "no biases", "autocast", "fast path disabled", "unbatched", "need_weights=False",
+    *REFUSED, "odd heads", "sequence first, odd heads", "autocast", "fast path disabled", "need_weights=False",
 ]
 
 
 @pytest.mark.parametrize("case", GENERAL_PATH)
 def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(case, kernel_calls):
-    options = {
-        "add_bias_kv": {"add_bias_kv": True}, "add_zero_attn": {"add_zero_attn": True},
-        "kdim and vdim": {"kdim": 10, "vdim": 6}, "no biases": {"bias": False},
-    }.get(case, {})
-    stock, slim = _odd_head_modules(batch_first=case == "odd heads") if "odd heads" in case else modules(**options)
-    x = tokens(torch.float32, BATCH, LENGTH, 15) if "odd heads" in case else tokens()
-    query = key = value = x
-    kwargs, context = {}, torch.no_grad()
-    padding, causal = _masks()
+    if "odd heads" in case:
+        stock, slim = _odd_head_modules(batch_first=case == "odd heads")
+        x = tokens(torch.float32, BATCH, LENGTH, 15)
+    else:
+        stock, slim = modules(**REFUSED_OPTIONS.get(case, {}))
+        x = tokens()
+    (query, key, value), kwargs, context = refused_call(case, x)
     if case == "sequence first, odd heads":
         query = key = value = x.transpose(0, 1).contiguous()
-    elif case == "key padding mask":
-        kwargs["key_padding_mask"] = padding
-    elif case == "bool attn_mask":
-        kwargs["attn_mask"] = causal
-    elif case == "float attn_mask":
-        kwargs["attn_mask"] = torch.zeros(LENGTH, LENGTH).masked_fill(causal, float("-inf"))
-    elif case == "causal mask":
-        kwargs.update(attn_mask=causal, is_causal=True)
-    elif case == "cross attention":
-        key = value = tokens(torch.float32, BATCH, LENGTH + 2, EMBED)
-    elif case == "shared key and value":
-        key = value = x.clone()
-    elif case == "graph recorded":
-        context = contextlib.nullcontext()
-    elif case == "kdim and vdim":
-        key, value = torch.randn(BATCH, LENGTH, 10), torch.randn(BATCH, LENGTH, 6)
     elif case == "autocast":
         context = torch.autocast("cpu", dtype=torch.bfloat16)
-    elif case == "unbatched":
-        query = key = value = x[0]
     elif case == "need_weights=False":
         kwargs["need_weights"] = False
     with context, fast_path_enabled(case != "fast path disabled"):
@@ -255,7 +196,7 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             assert_like_stock(stock, slim, x, x, x)
         elif case == "parametrized bias":
             for module in (stock, slim):
-                parametrize.register_parametrization(module, "in_proj_bias", _Halved())
+                parametrize.register_parametrization(module, "in_proj_bias", Halved())
             assert_like_stock(stock, slim, x, x, x)
         elif case == "vmap":
             batched = torch.func.vmap(lambda t: slim(t, t, t))(x.unsqueeze(1))
@@ -266,7 +207,7 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             traced = torch.jit.trace(slim, (x, x, x), check_trace=False)
             assert_close_scaled(traced(x, x, x)[0], stock(x, x, x)[0])
         elif case == "tensor subclass":
-            assert_like_stock(stock, slim, *(x.as_subclass(_Tagged),) * 3)
+            assert_like_stock(stock, slim, *(x.as_subclass(Tagged),) * 3)
         elif case == "empty batch":
             empty = torch.randn(0, LENGTH, EMBED)
             out, weights = slim(empty, empty, empty)  # stock's own head split would crash on it
@@ -276,19 +217,6 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             out, _ = slim(nested, nested, nested, need_weights=False)
             assert out.is_nested
     assert kernel_calls == []
-
-
-class _Halved(torch.nn.Module):
-    def forward(self, bias: torch.Tensor) -> torch.Tensor:
-        return bias * 0.5
-
-
-class _Tagged(torch.Tensor):
-    """A subclass with its own ``__torch_function__``, as tensor-wrapping libraries define."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 # -------------------------------------------------------------------------------- the check fails

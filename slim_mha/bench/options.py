@@ -1,4 +1,5 @@
-"""Options that the benchmark's subcommands share: the device and the timing settings."""
+"""Options that the benchmark's subcommands share (the device and the timing settings), and those of
+the scripts in ``benchmarks/``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import torch
 
 from .timing import Settings
 
-__all__ = ["add_device_option", "add_timing_options", "resolve_device", "timing_settings"]
+__all__ = [
+    "add_device_option",
+    "add_timing_options",
+    "parse_script_arguments",
+    "resolve_device",
+    "script_parser",
+    "timing_settings",
+]
 
 # Per device, (repeats, min_repeats, min_sample_s, max_case_s) for the quick and the full run.
 _SETTINGS = {
@@ -69,3 +77,25 @@ def timing_settings(
         seed=args.seed,
         cold_repeats=getattr(args, "cold_repeats", 0) if device.type == "cpu" else 0,
     )
+
+
+def script_parser(description: str, shapes: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options every script in ``benchmarks/`` takes: ``--repeats``, ``--threads``, ``--busy`` and
+    ``--shape`` (repeatable, ``shapes`` by default); a script adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
+    parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(shapes)})")
+    return parser
+
+
+def parse_script_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, check ``--busy``, set torch's threads and print the run's settings line."""
+    args = parser.parse_args()
+    if not 0 <= args.busy <= 64:
+        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
+          f"busy {args.busy}")
+    return args
