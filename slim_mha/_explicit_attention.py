@@ -28,7 +28,15 @@ from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
 
-__all__ = ["WeightsPlan", "attention_with_weights", "blocks_forced", "mean_over_heads", "plan_weights_path", "scaled_heads"]
+__all__ = [
+    "WeightsPlan",
+    "attention_with_weights",
+    "blocks_forced",
+    "mean_over_heads",
+    "plan_weights_path",
+    "query_scale",
+    "scaled_heads",
+]
 
 # Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
 # most this many bytes of scores even where one pass fits; None: the memory guard decides.
@@ -123,7 +131,7 @@ def _attention_functional(
     B, H, L, D = q.shape
     S = k.shape[2]
     # bmm on (B·H)-batches, reshaped here once (matmul on 4-D views would fold them with more ops)
-    scaled = (q if q_scaled else q * math.sqrt(1.0 / float(D))).reshape(B * H, L, D)
+    scaled = (q if q_scaled else q * query_scale(D)).reshape(B * H, L, D)
     keys = k.reshape(B * H, S, D).transpose(1, 2)
     if mask is None:
         scores = torch.bmm(scaled, keys).view(B, H, L, S)
@@ -178,6 +186,11 @@ def _batched_mask(mask: Tensor, batch: int, heads: int) -> Tensor:
     return mask.expand(batch, heads, rows, src_len).reshape(batch * heads, rows, src_len)
 
 
+def query_scale(head_dim: int) -> float:
+    """``1/sqrt(D)``, computed as stock computes it, so that scaled queries are stock's bit for bit."""
+    return math.sqrt(1.0 / float(head_dim))
+
+
 def scaled_heads(q: Tensor) -> Tensor:
     """``q / sqrt(D)``, ``(B, H, L, D)`` contiguous: what :func:`attention_with_weights` takes with
     ``q_scaled=True`` and may write into. Without a graph only."""
@@ -189,7 +202,7 @@ def _scaled_matrices(q: Tensor) -> Tensor:
     """``q / sqrt(D)`` as ``(B·H, L, D)``: scaled first, as stock does, in the copy ``bmm`` needs anyway."""
     B, H, L, D = q.shape
     scaled = q.new_empty(B * H, L, D)
-    torch.mul(q, math.sqrt(1.0 / float(D)), out=scaled.view(B, H, L, D))
+    torch.mul(q, query_scale(D), out=scaled.view(B, H, L, D))
     return scaled
 
 

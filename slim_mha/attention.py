@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads, scaled_heads
+from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads, query_scale, scaled_heads
 from ._memory_guard import below_checked_size
 from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
@@ -354,7 +352,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 return q, k, v, True
             q, k, v = _split_heads(project(query, weight, packed), 3, H, batch_first, contiguous=one_pass)
             if one_pass:  # the copy is ours: the queries scaled in place, as stock's head split scales them
-                q.mul_(math.sqrt(1.0 / float(q.shape[-1])))
+                q.mul_(query_scale(q.shape[-1]))
             return q, k, v, one_pass
         # Splits, not slices: under autograd a split's backward is one cat into the gradient, where
         # each slice's backward zero-fills a gradient of the whole parameter and adds into it.
@@ -443,16 +441,8 @@ def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:
 
 
 def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Stock's head split applies to a call on real tensors: no graph, one dtype, a non-empty input."""
-    records_graph = torch.is_grad_enabled() and (
-        query.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    return (
-        not records_graph
-        and query.numel() > 0
-        and weight.dtype == query.dtype
-        and (bias is None or bias.dtype == query.dtype)
-    )
+    """Stock's head split applies to a one-pass call (real tensors, no graph): one dtype, a non-empty input."""
+    return query.numel() > 0 and weight.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
 
 
 def _split_heads(
