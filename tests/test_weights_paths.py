@@ -19,6 +19,7 @@ from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
 from slim_mha import _memory_guard as guard
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
+from slim_mha.bench.memory import profile_step
 
 BATCH, TGT_LEN, SRC_LEN, EMBED, HEADS = 2, 7, 5, 12, 3
 MASKS = ("none", "key_padding", "attn_mask_float", "attn_mask_bool")
@@ -204,8 +205,6 @@ def test_cross_attention_with_weights_peaks_no_higher_than_stock(shape, batch_fi
     """The one pass gets q, k and v head-major, each copied in one op as its projection dies, so where
     the scores are no larger than a projection slim holds no more than stock. With copies made later
     beside the projections, slim's peak was 3.19 MiB against stock's 2.69 MiB at the second shape."""
-    from slim_mha.bench.memory import profile_step
-
     batch, length, embed, heads = shape
     stock = randomize_parameters(STOCK_MHA(embed, heads, batch_first=batch_first)).eval()
     slim = SlimMultiheadAttention(embed, heads, batch_first=batch_first).eval()
