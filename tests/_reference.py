@@ -6,6 +6,8 @@ biases, and a zero key bias would let a wrong fold pass unnoticed.
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import torch
 from torch import nn
 
@@ -27,7 +29,12 @@ def randomize_parameters(module: nn.Module, seed: int = 0, scale: float = 0.5) -
 
 
 def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
-    """max|actual - expected| <= tol[dtype] * max(1, max|expected|); same dtype and shape required."""
+    """max|actual - expected| <= tol[dtype] * max(1, max|expected|); same dtype and shape required.
+
+    A fixed bound: right for float64, whose rounding is six orders of magnitude below it, and for
+    small fp32 cases. Where slim is compared with stock in a lower precision at sizes where torch's
+    own rounding can cross a fixed bound, use :func:`assert_matches_stock` with a float64 reference.
+    """
     __tracebackhide__ = True
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
@@ -38,6 +45,78 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str 
     scale = max(1.0, expected.abs().max().item())
     error = (actual - expected).abs().max().item()
     assert error <= tolerance * scale, f"{what}: max error {error:.3e} > {tolerance:.0e} * {scale:.3g}"
+
+
+# Slim may be this many times as far from the higher-precision reference as stock is, plus FLOOR.
+STOCK_ERROR_FACTOR = 2.0
+# A few units of each dtype's rounding, relative to max(1, max|reference|): what two correct
+# implementations may differ by where stock itself happens to round an output exactly.
+FLOOR = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def assert_matches_stock(
+    actual: torch.Tensor, expected: torch.Tensor, reference: torch.Tensor, what: str = "output"
+) -> None:
+    """Slim is as exact as stock: ``max|actual - reference| <= 2 max|expected - reference| + floor``.
+
+    ``expected`` is stock's output and ``reference`` stock's function computed in a higher precision
+    (float64; see :func:`float64_reference`) from the same weights and inputs, so the bound is stock's
+    own rounding error in this torch release, not a constant a release can cross. A wrong result (a
+    dropped bias, a permuted head) is off by the size of the output and fails by orders of magnitude.
+    """
+    __tracebackhide__ = True
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape == reference.shape, (
+        f"{what}: shapes {tuple(actual.shape)}, {tuple(expected.shape)}, reference {tuple(reference.shape)}"
+    )
+    if expected.numel() == 0:
+        return
+    actual, expected, reference = (t.detach().double() for t in (actual, expected, reference))
+    finite = torch.isfinite(reference)
+    assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite entries differ from the reference"
+    if not finite.any():
+        return
+    scale = max(1.0, reference[finite].abs().max().item())
+    stock_error = (expected[finite] - reference[finite]).abs().max().item()
+    error = (actual[finite] - reference[finite]).abs().max().item()
+    bound = STOCK_ERROR_FACTOR * stock_error + FLOOR[actual.dtype] * scale
+    assert error <= bound, (
+        f"{what}: max error {error:.3e} against float64 > {STOCK_ERROR_FACTOR:g} x stock's {stock_error:.3e} "
+        f"+ {FLOOR[actual.dtype]:.0e} * {scale:.3g}"
+    )
+
+
+def float64_reference(module: nn.Module, *args, **kwargs):
+    """``module``'s outputs computed in float64 on a copy: its float tensors and inputs upcast.
+
+    Inputs passed as the same object stay one object (stock's self-attention path tests identity).
+    """
+    with torch.inference_mode(False), torch.no_grad():  # a copy of ordinary tensors, in any caller's mode
+        copy = deepcopy(module).double()
+    upcast: dict[int, torch.Tensor] = {}
+
+    def cast(value):
+        if torch.is_tensor(value) and value.is_floating_point():
+            return upcast.setdefault(id(value), value.detach().double())
+        return value
+
+    return copy(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+
+def assert_module_matches_stock(stock: nn.Module, slim: nn.Module, *args, **kwargs) -> None:
+    """Call both modules (in the caller's grad mode) and compare every tensor output with
+    :func:`assert_matches_stock`, against stock run in float64 on the same weights and inputs."""
+    __tracebackhide__ = True
+    expected, actual = stock(*args, **kwargs), slim(*args, **kwargs)
+    reference = float64_reference(stock, *args, **kwargs)
+    if torch.is_tensor(expected):
+        expected, actual, reference = (expected,), (actual,), (reference,)
+    for index, (a, e, r) in enumerate(zip(actual, expected, reference, strict=True)):
+        what = "output" if index == 0 else "weights" if index == 1 else f"output {index}"
+        if e is None:
+            assert a is None, f"{what}: stock returned None, slim {type(a).__name__}"
+        else:
+            assert_matches_stock(a, e, r, what)
 
 
 def attention_tokens(

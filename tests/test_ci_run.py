@@ -129,7 +129,7 @@ def debian_tools(ci_copy) -> dict[str, str]:
 
 def run_ci(folder: Path, *, ignore_sigint: bool = False, **variables: str) -> subprocess.CompletedProcess:
     environment = {"PATH": str(folder / "bin"), "FAKE_TORCH": "2.13.0", "FAKE_PYTEST_RC": "0",
-                   "SLIM_MHA_CI_OLDEST": "0", "SLIM_MHA_CI_NEWEST": "0", "SLIM_MHA_CI_PY312": "0", "SLIM_MHA_CI_PY313": "0", "PYENV_ROOT": str(folder / "pyenv"),
+                   "SLIM_MHA_CI_OLDEST": "0", "SLIM_MHA_CI_NEWEST": "0", "SLIM_MHA_CI_BETWEEN": "0", "SLIM_MHA_CI_PY312": "0", "SLIM_MHA_CI_PY313": "0", "PYENV_ROOT": str(folder / "pyenv"),
                    **variables}
     # SIGINT's disposition is set either way, so the result does not depend on how pytest was started.
     disposition = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
@@ -153,6 +153,7 @@ def test_a_passing_step_passes(ci_copy):
     assert "local  torch 2.13.0  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
     assert "oldest  torch 2.4.1  skipped (SLIM_MHA_CI_OLDEST=0)\n" in result.stdout
     assert "newest  torch 2.15.0  skipped (SLIM_MHA_CI_NEWEST=0)\n" in result.stdout
+    assert "torch2141  torch 2.14.1  skipped (SLIM_MHA_CI_BETWEEN=0)\n" in result.stdout
     for version in ("3.12", "3.13"):
         switch = f"SLIM_MHA_CI_PY{version.replace('.', '')}"
         assert f"py{version.replace('.', '')}  Python {version}  torch 2.13.0  skipped ({switch}=0)\n" in result.stdout
@@ -165,6 +166,13 @@ def test_every_step_runs_and_one_failure_fails_the_run(ci_copy):
     assert "local  torch 2.13.0  FAILED: the venv has torch 2.15.0\n" in result.stdout
     assert "newest  torch 2.15.0  FAILED: pytest exit 1: 1 failed, 6 passed in 0.01s  (install " in result.stdout
     assert result.stderr == ".ci/run: FAILED\n"
+
+
+def test_the_release_between_the_ends_runs_in_a_venv_of_its_own(ci_copy):
+    result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", FAKE_TORCH="2.14.1")
+    assert "torch2141  torch 2.14.1  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
+    assert (ci_copy / ".venv-torch2141" / "bin" / "python").exists()
+    assert "local  torch 2.13.0  FAILED: the venv has torch 2.14.1\n" in result.stdout  # each step checks its own
 
 
 def test_pytest_collecting_no_tests_fails_the_run(ci_copy):

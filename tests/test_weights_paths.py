@@ -13,7 +13,14 @@ import itertools
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, attention_tokens, randomize_parameters
+from _reference import (
+    STOCK_MHA,
+    assert_close_scaled,
+    assert_matches_stock,
+    attention_tokens,
+    float64_reference,
+    randomize_parameters,
+)
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
@@ -81,8 +88,9 @@ def compare(kind, appended, mask, path, monkeypatch, *, dtype=torch.float64, mod
         tgt_len, src_len = expected[1].shape[-2:]
         force(path, monkeypatch, rows_seen, BATCH * (HEADS + 1) * tgt_len * src_len * dtype.itemsize)
         out, weights = slim(*tokens, average_attn_weights=average, **masks)
-    assert_close_scaled(out, expected[0])
-    assert_close_scaled(weights, expected[1], "weights")
+        reference = float64_reference(stock, *tokens, average_attn_weights=average, **masks)
+    assert_matches_stock(out, expected[0], reference[0])
+    assert_matches_stock(weights, expected[1], reference[1], "weights")
     return rows_seen
 
 
@@ -163,6 +171,22 @@ def test_the_comparison_fails_on_a_wrong_average(monkeypatch):
         compare("self", "none", "none", "one_pass", monkeypatch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_comparison_fails_on_a_dropped_value_bias_by_orders_of_magnitude(dtype, monkeypatch):
+    """The stock-error yardstick still catches a wrong function: b_v dropped from slim's projection."""
+    stock, slim = modules("cross", "none", dtype)
+    tokens, _ = inputs("cross", "none", "none", dtype)
+    with torch.no_grad():
+        slim.in_proj_bias[2 * EMBED :] = 0.0
+        expected, actual = stock(*tokens), slim(*tokens)
+        reference = float64_reference(stock, *tokens)
+    stock_error = (expected[0].double() - reference[0]).abs().max().item()
+    error = (actual[0].double() - reference[0]).abs().max().item()
+    assert error > 1e4 * max(stock_error, 1e-12), (error, stock_error)
+    with pytest.raises(AssertionError, match="output: max error"):
+        assert_matches_stock(actual[0], expected[0], reference[0])
+
+
 def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mode():
     """The one constant the path keeps: a row of 1/H, keyed on everything it depends on."""
     rows = [explicit._head_average(heads, dtype, torch.device("cpu"))
@@ -220,6 +244,7 @@ def test_cross_attention_with_weights_peaks_no_higher_than_stock(shape, batch_fi
             module(query, key, value)  # warm
             peaks[name] = profile_step(lambda: module(query, key, value), query.device).peak_bytes
         expected, actual = stock(query, key, value), slim(query, key, value)
-    assert_close_scaled(actual[0], expected[0])
-    assert_close_scaled(actual[1], expected[1], "weights")
+        reference = float64_reference(stock, query, key, value)
+    assert_matches_stock(actual[0], expected[0], reference[0])
+    assert_matches_stock(actual[1], expected[1], reference[1], "weights")
     assert peaks["slim"] <= peaks["stock"], peaks
