@@ -179,3 +179,39 @@ def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, 
             raise RuntimeError(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {expected}.")
         return attn_mask.view(batch, num_heads, tgt_len, src_len)
     raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+
+
+def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor, attn_mask, key_padding_mask) -> bool:
+    """Whether stock returns a batch-first call's output contiguous ``(B, L, E)``, not as a transposed view.
+
+    Stock's native fast path writes ``(B, L, E)``; its Python path computes in ``(L, B, E)`` and
+    returns ``.transpose(1, 0)`` of it, strides ``(E, B*E, 1)``. The layout decides which elements a
+    following dropout draws for which position (it draws in memory order), so slim returns stock's.
+    This is the part of stock's fast-path test that a call reaching slim's computation can fail:
+    stock's conditions, in stock's order.
+    """
+    if (
+        not torch.backends.mha.get_fastpath_enabled()
+        or query.dim() != 3
+        or not (query is key and key is value)
+        or module.training
+        or module.num_heads % 2
+        or not module.batch_first
+        or module.bias_k is not None
+        or module.bias_v is not None
+        or module.add_zero_attn
+        or not module._qkv_same_embed_dim
+        or (attn_mask is not None and torch.is_floating_point(attn_mask))
+        or (key_padding_mask is not None and torch.is_floating_point(key_padding_mask))
+        or torch.is_autocast_enabled()
+    ):
+        return False
+    weight, bias = module.in_proj_weight, module.in_proj_bias
+    if weight is None or bias is None or query.dtype != weight.dtype or query.dtype != bias.dtype:
+        return False  # without an input bias stock's kernel is not called: its Python path runs
+    tensors = [t for t in (query, weight, bias, module.out_proj.weight, module.out_proj.bias) if t is not None]
+    return not (
+        torch.overrides.has_torch_function(tensors)
+        or not all(t.is_cpu or t.is_cuda for t in tensors)
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.modules.activation
+import torch.nn.modules.transformer
 from torch import Tensor, nn
 
 __all__ = [
+    "STOCK_ENCODER_LAYER",
     "STOCK_MHA",
     "is_capturing_graph",
     "is_capturing_or_transforming",
@@ -24,6 +26,8 @@ __all__ = [
 # torch's own class, captured when slim_mha is first imported, which is before anything can patch
 # it: while patched, torch.nn.MultiheadAttention is slim's class.
 STOCK_MHA = torch.nn.modules.activation.MultiheadAttention
+# Likewise the encoder layer, whose fused inference kernel takes the attention's parameters directly.
+STOCK_ENCODER_LAYER = torch.nn.modules.transformer.TransformerEncoderLayer
 
 def is_capturing_graph() -> bool:
     """``torch.compile``/``torch.export`` (Dynamo) or ``torch.jit.trace`` is recording this call.

@@ -10,7 +10,7 @@ from . import unread_weights
 from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads, query_scale, scaled_heads
 from ._memory_guard import below_checked_size
-from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype
+from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype, stock_returns_batch_major
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
 from ._torch_compat import (
     STOCK_MHA,
@@ -214,7 +214,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return self._attend_without_weights(query, weight, bias, out_weight, out_bias), None
         if (
             # What stock's fast path refuses (but sequence-first), and slim's own weights options.
-            self.num_heads % 2
+            self.training  # stock's Python path: its (L, B, E) layout, which slim's own path returns
+            or self.num_heads % 2
             or self.skip_unread_weights
             or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
             or blocks_forced()
@@ -239,9 +240,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         projected = F.linear(query, weight, without_key_bias_eager(bias))
         q, k, v = _split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
         del projected
-        out = _merge_heads(F.scaled_dot_product_attention(q, k, v), self.batch_first)
+        # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E). The
+        # rest of stock's fast-path test is this path's own entry condition.
+        batch_major = (
+            self.batch_first and not self.training and not self.num_heads % 2 and torch.backends.mha.get_fastpath_enabled()
+        )
+        out = _merge_heads(F.scaled_dot_product_attention(q, k, v), batch_major)
         del q, k, v  # free the projection before the output projection allocates: lower peak
-        return F.linear(out, out_weight, out_bias)
+        out = F.linear(out, out_weight, out_bias)
+        return out.transpose(0, 1) if self.batch_first and not batch_major else out
 
     def _attend(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
@@ -278,9 +285,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
 
-        out = _merge_heads(out, batch_first)
+        # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory
+        # behind a batch-first view wherever stock's Python path would run (training, above all).
+        batch_major = batch_first and (not is_batched or stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask))
+        out = _merge_heads(out, batch_major)
         del q, k, v, mask  # free the projections before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        if batch_first and not batch_major:
+            out = out.transpose(0, 1)  # (B, L, E) view of (L, B, E) memory, as stock returns it
         if not is_batched:
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None

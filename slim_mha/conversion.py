@@ -11,6 +11,9 @@ same tensors. A module reached through several parents is swapped once and stays
 
 Only modules whose type is exactly the stock class (for ``convert``) or exactly a slim class (for
 ``to_stock``) are swapped: a user subclass may override ``forward``, and swapping it would drop that.
+
+``nn.TransformerEncoderLayer`` is swapped the same way, for :class:`~slim_mha.encoder_layer.SlimTransformerEncoderLayer`
+and back: stock's layer runs a fused kernel in inference that never calls the attention module.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from torch.nn.parameter import Parameter
 from torch.nn.utils import parametrize
 
 from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
-from ._torch_compat import STOCK_MHA
+from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention, slim_options
 from .bias import fold_value_bias_into_output
-from .patching import PatchedMultiheadAttention
+from .encoder_layer import SlimTransformerEncoderLayer
+from .patching import PatchedMultiheadAttention, PatchedTransformerEncoderLayer
 
 __all__ = ["convert", "to_stock", "fold_value_bias"]
 
 _SLIM_TYPES = (SlimMultiheadAttention, PatchedMultiheadAttention)
+_SLIM_LAYER_TYPES = (SlimTransformerEncoderLayer, PatchedTransformerEncoderLayer)
 
 
 def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Module:
@@ -45,7 +50,10 @@ def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Modul
     """
     options = slim_options(skip_unread_weights=skip_unread_weights)
     _refuse_parametrized(module, STOCK_MHA, "nn.MultiheadAttention", "convert")
-    return _swap_modules(module, _is_stock, lambda stock: rebuild_as(stock, SlimMultiheadAttention, **options))
+    module = _swap_modules(module, _is_stock, lambda stock: rebuild_as(stock, SlimMultiheadAttention, **options))
+    return _swap_modules(
+        module, lambda child: type(child) is STOCK_ENCODER_LAYER, lambda layer: rebuild_as(layer, SlimTransformerEncoderLayer)
+    )
 
 
 def to_stock(module: nn.Module) -> nn.Module:
@@ -61,7 +69,10 @@ def to_stock(module: nn.Module) -> nn.Module:
     for name, child in module.named_modules():  # all checked before anything is swapped
         if _is_slim(child):
             refuse_folded_value_bias(child, _describe(name), "to_stock")
-    return _swap_modules(module, _is_slim, lambda slim: rebuild_as(slim, STOCK_MHA))
+    module = _swap_modules(module, _is_slim, lambda slim: rebuild_as(slim, STOCK_MHA))
+    return _swap_modules(
+        module, lambda child: type(child) in _SLIM_LAYER_TYPES, lambda layer: rebuild_as(layer, STOCK_ENCODER_LAYER)
+    )
 
 
 def fold_value_bias(module: nn.Module) -> nn.Module:

@@ -6,6 +6,11 @@ that bound the stock class under that name (``from torch.nn import MultiheadAtte
 :class:`PatchedMultiheadAttention`, a :class:`~slim_mha.SlimMultiheadAttention`. So does every module
 ``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` build.
 
+``TransformerEncoderLayer`` is rebound the same way, to :class:`PatchedTransformerEncoderLayer`: stock's
+layer hands its inference calls to a fused kernel that never calls the attention module, and slim's
+layer decides per call whether that kernel or slim's attention runs
+(:func:`slim_mha.encoder_layer.layer_path`). Everything below holds for both names.
+
 What is and is not replaced:
 
 * Only module-level bindings named ``MultiheadAttention`` that hold the stock class. Aliases
@@ -49,20 +54,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ._torch_compat import STOCK_MHA
+from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention
+from .encoder_layer import SlimTransformerEncoderLayer
 
-__all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttention"]
+__all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttention", "PatchedTransformerEncoderLayer"]
 
-_STOCK = STOCK_MHA
-_NAME = "MultiheadAttention"
-# Where the stock class must be found for the patch to mean anything; the scan finds the rest.
-_REQUIRED_MODULES = (
-    "torch.nn",
-    "torch.nn.modules",
-    "torch.nn.modules.activation",
-    "torch.nn.modules.transformer",
-)
 _OWN_PACKAGE = __name__.partition(".")[0]
 
 
@@ -78,12 +75,14 @@ class _AcceptsStockInstances(type):
     def __instancecheck__(cls, instance) -> bool:
         if type.__instancecheck__(cls, instance):
             return True
-        return cls.__dict__.get("_accepts_stock", False) and isinstance(instance, _STOCK)
+        stock = cls.__dict__.get("_accepts_stock")
+        return stock is not None and isinstance(instance, stock)
 
     def __subclasscheck__(cls, subclass) -> bool:
         if type.__subclasscheck__(cls, subclass):
             return True
-        return cls.__dict__.get("_accepts_stock", False) and issubclass(subclass, _STOCK)
+        stock = cls.__dict__.get("_accepts_stock")
+        return stock is not None and issubclass(subclass, stock)
 
 
 class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockInstances):
@@ -95,12 +94,38 @@ class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockI
     class, so loading them needs slim_mha importable, not patched.
     """
 
-    _accepts_stock = True
+    _accepts_stock = STOCK_MHA
 
     @functools.wraps(SlimMultiheadAttention.__init__)
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("skip_unread_weights", _skip_unread_weights_while_patched())
         super().__init__(*args, **kwargs)
+
+
+class PatchedTransformerEncoderLayer(SlimTransformerEncoderLayer, metaclass=_AcceptsStockInstances):
+    """The class ``patch()`` installs as ``torch.nn.TransformerEncoderLayer``: slim's layer, ``isinstance``-wide.
+
+    ``nn.TransformerEncoder`` checks its layer with ``isinstance(layer, torch.nn.TransformerEncoderLayer)``
+    before it lets the layers take nested tensors: a stock layer passes it while patched too.
+    """
+
+    _accepts_stock = STOCK_ENCODER_LAYER
+
+
+# Each name patching rebinds: torch's class, ours, and the modules that must hold torch's class for
+# the patch to mean anything (the scan of sys.modules finds the rest).
+_BINDINGS = {
+    "MultiheadAttention": (
+        STOCK_MHA,
+        PatchedMultiheadAttention,
+        ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation", "torch.nn.modules.transformer"),
+    ),
+    "TransformerEncoderLayer": (
+        STOCK_ENCODER_LAYER,
+        PatchedTransformerEncoderLayer,
+        ("torch.nn", "torch.nn.modules", "torch.nn.modules.transformer"),
+    ),
+}
 
 
 class _PatchState:
@@ -230,29 +255,32 @@ def _install() -> list[tuple[dict, str]]:
     _check_torch_holds_stock()
     replaced = []
     for namespace in _module_namespaces():
-        if namespace.get(_NAME) is _STOCK:
-            namespace[_NAME] = PatchedMultiheadAttention
-            replaced.append((namespace, _NAME))
+        for name, (stock, ours, _) in _BINDINGS.items():
+            if namespace.get(name) is stock:
+                namespace[name] = ours
+                replaced.append((namespace, name))
     return replaced
 
 
 def _restore(replaced: list[tuple[dict, str]]) -> None:
     for namespace, name in replaced:
-        if namespace.get(name) is PatchedMultiheadAttention:
-            namespace[name] = _STOCK
+        stock, ours, _ = _BINDINGS[name]
+        if namespace.get(name) is ours:
+            namespace[name] = stock
 
 
 def _check_torch_holds_stock() -> None:
     # Checked before anything is replaced, so a refusal leaves every binding as it was.
-    for module_name in _REQUIRED_MODULES:
-        module = sys.modules.get(module_name)
-        bound = getattr(module, _NAME, None) if module is not None else None
-        if bound is not _STOCK:
-            raise RuntimeError(
-                f"slim_mha.patch(): {module_name}.{_NAME} is {bound!r}, not torch's stock class; another "
-                "library has patched it. Undo that patch first, or use slim_mha.convert(model) instead "
-                "of patching"
-            )
+    for name, (stock, _, required) in _BINDINGS.items():
+        for module_name in required:
+            module = sys.modules.get(module_name)
+            bound = getattr(module, name, None) if module is not None else None
+            if bound is not stock:
+                raise RuntimeError(
+                    f"slim_mha.patch(): {module_name}.{name} is {bound!r}, not torch's stock class; another "
+                    "library has patched it. Undo that patch first, or use slim_mha.convert(model) instead "
+                    "of patching"
+                )
 
 
 def _module_namespaces() -> Iterator[dict]:

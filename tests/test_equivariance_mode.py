@@ -825,7 +825,7 @@ def test_functorch_transforms_skip_the_check(checks):
     torch.testing.assert_close(mapped, torch.stack([attend(x[0]), attend(x[1])]))
     leaf = x[0].clone().requires_grad_()
     attend(leaf).square().sum().backward()
-    torch.testing.assert_close(gradient, leaf.grad)
+    torch.testing.assert_close(gradient, leaf.grad, rtol=1e-4, atol=1e-4)  # two layouts' rounding
     assert checks == [module] * 3  # eager calls still check
 
 

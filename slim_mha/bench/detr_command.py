@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from .allocator import allocator_state
 from .detr import format_detr, format_detr_lines, run_detr
-from .options import add_device_option, add_timing_options, resolve_device, timing_settings
+from .options import add_device_option, add_timing_options, device_and_settings
 from .report import write_json
 
 __all__ = ["add_parser", "run"]
@@ -40,10 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Time the DETR layer as ``args`` say; ``argv`` is recorded as the command."""
-    device = resolve_device(args.parser, args.device)
-    settings = timing_settings(args.parser, args, device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device, settings = device_and_settings(args)
     print(f"expected time: at most about {3 * (settings.max_case_s + 10) / 60:.0f} minutes (three modes)", flush=True)
     with allocator_state("warm"):
         payload = run_detr(settings, device)

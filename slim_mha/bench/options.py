@@ -16,6 +16,7 @@ __all__ = [
     "resolve_device",
     "script_parser",
     "timing_settings",
+    "device_and_settings",
 ]
 
 # Per device, (repeats, min_repeats, min_sample_s, max_case_s) for the quick and the full run.
@@ -77,6 +78,15 @@ def timing_settings(
         seed=args.seed,
         cold_repeats=getattr(args, "cold_repeats", 0) if device.type == "cpu" else 0,
     )
+
+
+def device_and_settings(args: argparse.Namespace, *, full: bool = False) -> tuple[torch.device, Settings]:
+    """A subcommand's device and timing settings from its options; ``--threads`` applied."""
+    device = resolve_device(args.parser, args.device)
+    settings = timing_settings(args.parser, args, device, full=full)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return device, settings
 
 
 def script_parser(description: str, shapes: tuple[str, ...]) -> argparse.ArgumentParser:
