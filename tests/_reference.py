@@ -71,6 +71,7 @@ def assert_matches_stock(
     )
     if expected.numel() == 0:
         return
+    floor = FLOOR[actual.dtype]  # the compared dtype's, read before the float64 copies below
     actual, expected, reference = (t.detach().double() for t in (actual, expected, reference))
     finite = torch.isfinite(reference)
     assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite entries differ from the reference"
@@ -79,10 +80,10 @@ def assert_matches_stock(
     scale = max(1.0, reference[finite].abs().max().item())
     stock_error = (expected[finite] - reference[finite]).abs().max().item()
     error = (actual[finite] - reference[finite]).abs().max().item()
-    bound = STOCK_ERROR_FACTOR * stock_error + FLOOR[actual.dtype] * scale
+    bound = STOCK_ERROR_FACTOR * stock_error + floor * scale
     assert error <= bound, (
         f"{what}: max error {error:.3e} against float64 > {STOCK_ERROR_FACTOR:g} x stock's {stock_error:.3e} "
-        f"+ {FLOOR[actual.dtype]:.0e} * {scale:.3g}"
+        f"+ {floor:.0e} * {scale:.3g}"
     )
 
 
