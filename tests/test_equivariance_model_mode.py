@@ -506,15 +506,15 @@ def test_inputs_that_do_not_fit_dim_say_which_call_and_input():
         with checking_equivariance(model, dim={"y": 1}):
             model(torch.randn(B, N, D))
 
-    class Counted(nn.Module):
-        def forward(self, x, counts):  # counts (B,): how many tokens of each set are real
-            return x * (torch.arange(x.shape[1]) < counts[:, None]).unsqueeze(-1)
+    class Indexed(nn.Module):
+        def forward(self, x, index):  # index (B, K): an integer input with the token axis but not its length
+            return x.sum(dim=1) + index.sum()
 
-    counted = Counted()
-    with pytest.raises(ValueError, match=r"call 1 of Counted: input 1 \(2\) int64 is read as token indices \(an integer "
-                                         r"tensor without 6 tokens along the permuted axis\).* from 6 to 40, outside 0..5"):
-        with checking_equivariance(counted, dim=1):
-            counted(torch.randn(B, N, D), torch.tensor([40, 6]))
+    indexed = Indexed()
+    with pytest.raises(ValueError, match=r"call 1 of Indexed: input 1 \(2, 3\) int64 is read as token indices \(an integer "
+                                         r"tensor without 6 tokens along the permuted axis\).* from 0 to 40, outside 0..5"):
+        with checking_equivariance(indexed, dim=1, invariant=True):
+            indexed(torch.randn(B, N, D), torch.tensor([[0, 1, 40], [2, 3, 4]]))
 
 
 def test_the_python_blocks_of_docs_equivariance_run_as_written(capsys):

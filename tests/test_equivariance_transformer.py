@@ -144,4 +144,4 @@ def test_the_checker_catches_a_mask_that_stays_put_and_names_the_attention_that_
     encoder = [call for call in calls if call.name.startswith("encoder")]
     assert encoder and all(call.passed() for call in encoder)  # the encoder sees no mask: it kept it
     assert culprit.kept == len(encoder)  # every call that finished before the decoder's first attention
-    assert "'decoder.layers.0.self_attn' (PatchedMultiheadAttention, call 1)" in str(caught.value)
+    assert "'decoder.layers.0.self_attn' (MultiheadAttention, call 1)" in str(caught.value)

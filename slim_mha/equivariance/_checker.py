@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _context
 from ._locate import Culprit, SubmoduleCheck, compare_calls, flatten, readings, recording
-from ._measure import EquivarianceError, draw_permutation, format_indices, measure_error, permute
+from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
 from ._report import OutputCheck, PermutationErrors, blamed_module, format_permutation_error, format_shape, subject_of
 
 __all__ = [
@@ -169,11 +169,19 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
             f"({[n for n, _ in reference_leaves]} vs {[n for n, _ in result_leaves]}); "
             "the checker compares outputs element by element, so fn must return the same structure"
         )
+    if not any(isinstance(leaf, Tensor) for _, leaf in reference_leaves):
+        found = ", ".join(f"{name}: {type(leaf).__name__}" for name, leaf in reference_leaves[:4]) or "nothing"
+        raise ValueError(
+            f"fn's output holds no tensor to compare ({found}); return the tensors that should follow the "
+            "permutation, in tuples, lists, dicts, dataclasses or plain objects"
+        )
     expected_dims = _output_dims(call.output_dim, call.dim, plan.dims, reference_leaves, plan.length)
+    scale = _input_scale(call.inputs, plan)
     outputs = tuple(
-        _check_output(name, actual, expected, dims, plan.length, permutation)
-        for (name, expected), (_, actual), dims in zip(reference_leaves, result_leaves, expected_dims)
+        _check_output(name, actual, expected, dims, plan.length, permutation, scale)
         if isinstance(expected, Tensor) and isinstance(actual, Tensor)
+        else _check_other_output(name, actual, expected)
+        for (name, expected), (_, actual), dims in zip(reference_leaves, result_leaves, expected_dims)
     )
     submodule_checks, note = (None, "")
     if submodules and module is not None:
@@ -192,15 +200,41 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
 
 
 def _check_output(
-    name: str, actual: Tensor, expected: Tensor, dims: tuple[int, ...], length: int, permutation: Tensor
+    name: str, actual: Tensor, expected: Tensor, dims: tuple[int, ...], length: int, permutation: Tensor,
+    input_scale: float = 0.0,
 ) -> OutputCheck:
-    error = measure_error(name, actual, permute(expected, dims, permutation), dims)
-    alternatives = tuple(
-        measure_error(name, actual, permute(expected, reading, permutation), reading)
-        for reading in readings(expected, length)
-        if reading != dims
-    )
-    return OutputCheck(name, error, alternatives)
+    """One tensor output against each reading. The tolerance is relative to the larger of the output's
+    and the permuted inputs' magnitudes: a rounding error grows with the numbers summed, and a
+    layer that subtracts large inputs (a point cloud far from the origin) keeps their rounding."""
+
+    def error_for(reading: tuple[int, ...]):
+        error = measure_error(name, actual, permute(expected, reading, permutation), reading)
+        return replace(error, scale=input_scale, scale_of="inputs") if error.scale < input_scale else error
+
+    alternatives = tuple(error_for(reading) for reading in readings(expected, length) if reading != dims)
+    return OutputCheck(name, error_for(dims), alternatives)
+
+
+def _check_other_output(name: str, actual, expected) -> OutputCheck:
+    """A leaf that is not a tensor (a string, ``None``, a number, a tensor on one side only): the
+    same in both runs, or broken."""
+    try:
+        same = type(actual) is type(expected) and bool(actual == expected)
+    except Exception:  # a comparison that is not a yes or no: compare what can be printed
+        same = repr(actual) == repr(expected)
+    note = "" if same else f"{expected!r:.60} in the original run, {actual!r:.60} in the permuted one"
+    error = TensorError(name, (), torch.float64, (), 0.0 if same else float("inf"), 0.0, None, note)
+    return OutputCheck(name, error, ())
+
+
+def _input_scale(inputs: tuple, plan: "_InputPlan") -> float:
+    """The largest finite magnitude among the floating-point inputs that the permutation moves."""
+    scale = 0.0
+    for x, dims in zip(inputs, plan.dims):
+        if dims and isinstance(x, Tensor) and x.is_floating_point() and x.numel():
+            with torch.no_grad():
+                scale = max(scale, float(x.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max()))
+    return scale
 
 
 # ---------------------------------------------------------------------------------- asserting
@@ -376,7 +410,9 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> _InputPlan:
     dims: list[tuple[int, ...]] = [() for _ in inputs]
     relabelled = []
     for index, x in tensors:
-        if integer(x) and not (-x.ndim <= dim < x.ndim and x.shape[dim] == length):
+        if integer(x) and not -x.ndim <= dim < x.ndim:
+            continue  # no token axis at all (a class label per sample): not token indices, left as it is
+        if integer(x) and x.shape[dim] != length:
             relabelled.append(index)
         else:
             dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 
 from torch import nn
 
-__all__ = ["naming", "qualified_name", "rerunning", "is_rerunning"]
+__all__ = ["naming", "qualified_name", "rerunning", "is_rerunning", "type_name"]
 
 _MODELS: ContextVar[tuple[nn.Module, ...]] = ContextVar("slim_mha_equivariance_models", default=())
 _RERUNNING: ContextVar[bool] = ContextVar("slim_mha_equivariance_rerunning", default=False)
@@ -59,3 +59,10 @@ def rerunning() -> Iterator[None]:
 
 def is_rerunning() -> bool:
     return _RERUNNING.get()
+
+
+def type_name(module: object) -> str:
+    """A module's class as its user knows it: while patched, ``nn.MultiheadAttention`` builds
+    ``PatchedMultiheadAttention``, which users wrote as ``MultiheadAttention``."""
+    name = type(module).__name__
+    return "MultiheadAttention" if name == "PatchedMultiheadAttention" else name

@@ -22,17 +22,19 @@ not ``module.forward(...)``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from ._context import type_name
 from ._measure import TensorError, measure_error, permute
 
 __all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
@@ -106,6 +108,15 @@ class SubmoduleCheck:
 
     def inputs_passed(self, tolerance: float | None = None) -> bool:
         return all(_matches(readings, tolerance) for readings in self.inputs)
+
+    def unmoved_inputs(self, tolerance: float | None = None) -> list[TensorError]:
+        """Inputs with token-length axes that stayed put while another input moved with the tokens:
+        a mask or position input held fixed is the likeliest reason such a call breaks."""
+        moved = any(not readings[0].passed(tolerance) and _matches(readings, tolerance) for readings in self.inputs)
+        if not moved:
+            return []
+        return [readings[0] for readings in self.inputs
+                if len(readings) > 1 and readings[0].passed(tolerance) and readings[0].max_abs == 0.0]
 
     def broken_output(self, tolerance: float | None = None) -> TensorError | None:
         """The closest reading of the first output that matches none."""
@@ -201,7 +212,7 @@ def recording(module: nn.Module | None, include_root: bool = False) -> Iterator[
             counts[name] = call + 1
             parent = running[-1].name if running else None
             record = _Call(
-                name, type(submodule).__name__, call, parent, _call_site(submodule),
+                name, type_name(submodule), call, parent, _call_site(submodule),
                 _tensor_inputs(submodule, args, kwargs),
                 next(events),
                 forward=_forward_site(type(submodule)),
@@ -313,14 +324,29 @@ def _positional_names(submodule: nn.Module) -> list[str]:
                                     (p.name if p.kind in positional else None for p in parameters)))
 
 
-def flatten(value, name: str) -> list[tuple[str, object]]:
-    """The leaves of nested tuples, lists and dicts, named like ``output[1]`` or ``output['logits']``."""
+def flatten(value, name: str, _seen: frozenset = frozenset()) -> list[tuple[str, object]]:
+    """The leaves of an output, named like ``output[1]``, ``output['logits']`` or ``output.t``.
+
+    Tensors are found wherever the ecosystem puts them: tuples, lists and mappings (Hugging Face's
+    ``ModelOutput`` too), dataclasses, and plain objects through their attributes (a PyG ``Data``
+    through its store). Anything else (a string, ``None``, a number) is a leaf of its own, compared
+    by equality.
+    """
     if isinstance(value, Tensor):
         return [(name, value)]
+    if id(value) in _seen or len(_seen) > 8 or isinstance(value, (str, bytes, int, float, complex, bool, type(None))):
+        return [(name, value)]
+    seen = _seen | {id(value)}
     if isinstance(value, (tuple, list)):
-        return [leaf for index, item in enumerate(value) for leaf in flatten(item, f"{name}[{index}]")]
-    if isinstance(value, dict):
-        return [leaf for key, item in value.items() for leaf in flatten(item, f"{name}[{key!r}]")]
+        return [leaf for index, item in enumerate(value) for leaf in flatten(item, f"{name}[{index}]", seen)]
+    if isinstance(value, Mapping):
+        return [leaf for key, item in value.items() for leaf in flatten(item, f"{name}[{key!r}]", seen)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [leaf for member in dataclasses.fields(value)
+                for leaf in flatten(getattr(value, member.name), f"{name}.{member.name}", seen)]
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, (nn.Module, type)) and not callable(value):
+        return [leaf for key, item in attributes.items() for leaf in flatten(item, f"{name}.{key}", seen)]
     return [(name, value)]
 
 

@@ -66,7 +66,8 @@ class TensorError:
             an active autocast dtype).
         dims: the axes the expected tensor was permuted along; ``()`` means "expected unchanged".
         max_abs: the largest absolute error (``inf`` where NaN/inf patterns or shapes differ).
-        scale: the largest finite magnitude of the expected tensor.
+        scale: the largest finite magnitude of the expected tensor, or of the permuted inputs where
+            that is larger (``scale_of`` says which).
         where: the index of the largest error, or ``None`` when there is none to point at.
         note: why the error is infinite, when it is.
     """
@@ -79,6 +80,7 @@ class TensorError:
     scale: float
     where: tuple[int, ...] | None = None
     note: str = ""
+    scale_of: str = "expected"  # what ``scale`` is the largest magnitude of: "expected", or "inputs"
 
     @property
     def max_rel(self) -> float:
@@ -108,7 +110,7 @@ class TensorError:
         note = f" ({self.note})" if self.note else ""
         return (
             f"max abs error {self.max_abs:.2e}{where}{note} {verdict} tolerance {self.tolerance(relative):.2e} "
-            f"({source}{relative_used:.0e} x max|expected| {self.scale:.3g}), max rel error {self.max_rel:.2e}"
+            f"({source}{relative_used:.0e} x max|{self.scale_of}| {self.scale:.3g}), max rel error {self.max_rel:.2e}"
         )
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -50,9 +50,10 @@ from torch import Tensor, nn
 
 from .._call import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
-from ._context import is_rerunning, naming, qualified_name
+from ._context import is_rerunning, naming, qualified_name, type_name
 from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
-from ._model_mode import ModelCheck, check_dim
+from ._checker import SAME_AS_DIM
+from ._model_mode import ModelCheck, check_dim, check_model_options
 
 __all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "reset", "resolve_options"]
 
@@ -147,6 +148,9 @@ def checking_equivariance(
     strict: bool = False,
     dim: int | Sequence | Mapping | None = None,
     invariant: bool = False,
+    output_dim=SAME_AS_DIM,
+    tolerance: float | None = None,
+    permutation: Callable | None = None,
 ) -> Iterator[None]:
     """Check permutation equivariance while the block runs (in this thread or async task).
 
@@ -170,6 +174,15 @@ def checking_equivariance(
             or ``None`` (unchanged). The model's outputs must follow: permuted along the same axis.
         invariant: with ``dim``, the model's outputs must instead stay unchanged (pooling over the
             set, attention from learned queries over it).
+        output_dim: with ``dim``, the axes each output is expected permuted along, as
+            :func:`assert_permutation_equivariant` takes it (an int, ``None``, or one entry per
+            returned tensor): for attention weights ``(B, L, L)``, ``(1, 2)``; for a batch-first
+            model with sequence-first outputs, ``0``. Default: the inputs' axis.
+        tolerance: with ``dim``, the relative tolerance for the model's outputs (default: the dtype
+            table, relative to the larger of the output's and the permuted inputs' magnitudes).
+        permutation: with ``dim``, a function of the call's inputs (called as the model was) that
+            returns the permutation to apply, for inputs that hold several sets: a PyG batch of
+            graphs is permuted within each graph, which keeps its ``batch`` vector sorted.
 
     A checked model call is run again twice under ``no_grad`` without dropout, on its inputs and on
     them permuted, and the outputs compared within the dtype tolerance table; a break raises
@@ -200,9 +213,14 @@ def checking_equivariance(
         raise ValueError("invariant=True says how the model's outputs follow its set axis: give that axis as dim too")
     if dim is not None:
         check_dim(dim)
-    elif model is not None:
+        check_model_options(output_dim, tolerance, permutation, invariant)
+    elif output_dim is not SAME_AS_DIM or tolerance is not None or permutation is not None:
+        raise ValueError("output_dim, tolerance and permutation are for the model's own calls: give its set axis as dim too")
+    if dim is None and model is not None:
         _report_nothing_to_check(model, strict)
-    model_check = nullcontext() if dim is None else ModelCheck(model, dim, invariant, every, lambda: _next_seed()).active()
+    model_check = nullcontext() if dim is None else ModelCheck(
+        model, dim, invariant, every, lambda: _next_seed(), output_dim=output_dim, tolerance=tolerance, permutation=permutation
+    ).active()
     global _open_scopes
     scope_token = _SCOPE.set(_Scope(every=every))
     with _LOCK:
@@ -485,9 +503,9 @@ def _tolerance_dtype(output: Tensor) -> torch.dtype:
 def _label(module: nn.Module) -> str:
     name = qualified_name(module)
     if name is not None:
-        return f"{type(module).__name__} '{name}'"
+        return f"{type_name(module)} '{name}'"
     return (
-        f"{type(module).__name__}({module.extra_repr()}) (pass the model to slim_mha.checking_equivariance(model) "
+        f"{type_name(module)}({module.extra_repr()}) (pass the model to slim_mha.checking_equivariance(model) "
         "to get its qualified name)"
     )
 

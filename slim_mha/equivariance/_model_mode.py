@@ -26,18 +26,21 @@ of ``model.forward(...)`` that bypass ``model(...)`` are not seen.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
 from . import _context
+from ._context import type_name
 from ._checker import INDICES, SAME_AS_DIM, CheckedCall, error_for, measure
 from ._measure import EquivarianceError
 
-__all__ = ["ModelCheck", "check_dim"]
+__all__ = ["ModelCheck", "check_dim", "check_model_options"]
 
 _ACTIVE: ContextVar[tuple[ModelCheck, ...]] = ContextVar("slim_mha_equivariance_model_checks", default=())
 
@@ -66,13 +69,20 @@ def check_dim(dim) -> None:
 class ModelCheck:
     """One scope's check of one model: its settings, its count of the model's calls, its hook."""
 
-    def __init__(self, model: nn.Module, dim, invariant: bool, every: int, draw_seed: Callable[[], int]):
+    def __init__(
+        self, model: nn.Module, dim, invariant: bool, every: int, draw_seed: Callable[[], int], *,
+        output_dim=SAME_AS_DIM, tolerance: float | None = None, permutation: Callable | None = None,
+    ):
         self.model = model
         self.dim = dim
         self.invariant = invariant
+        self.output_dim = None if invariant else output_dim
+        self.tolerance = tolerance
+        self.permutation = permutation
         self.every = every
         self.calls = 0  # the model's calls seen by this scope
         self._draw_seed = draw_seed
+        self._warned = False
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -90,8 +100,11 @@ class ModelCheck:
             return None
         if _context.is_rerunning() or not self._is_innermost_here():
             return None
-        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), None)
-        if first is None or is_symbolic_call(first):
+        first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)), None)
+        if first is None:
+            self._warn_nothing_found(args, kwargs)
+            return None
+        if is_symbolic_call(first):
             return None
         count = self.calls
         self.calls += 1
@@ -105,32 +118,71 @@ class ModelCheck:
                 return check is self
         return False
 
+    def _warn_nothing_found(self, args: tuple, kwargs: dict) -> None:
+        """A call with no tensor anywhere in its inputs cannot be checked: say so, once per scope."""
+        if self._warned:
+            return
+        self._warned = True
+        kinds = ", ".join(type(x).__name__ for x in (*args, *kwargs.values())) or "none"
+        warnings.warn(
+            f"{self._describe()}: call {self.calls + 1} of {type_name(self.model)} has no tensor input the check "
+            f"can find (its inputs: {kinds}), so it is not checked. Tensors are found in tuples, lists, dicts and "
+            "types registered with torch.utils._pytree; pass the tensors as arguments, register the type, or check "
+            "a function of the tensors with slim_mha.assert_permutation_equivariant",
+            stacklevel=3,
+        )
+
     def _check(self, args: tuple, kwargs: dict, count: int) -> None:
         __tracebackhide__ = True
         names = _input_names(self.model, args, kwargs)
+        # Each input's leaves (tensors inside lists, dicts and registered types), rebuilt for each run.
+        flat = [pytree.tree_flatten(x) for x in (*args, *kwargs.values())]
+        sizes = [len(leaves) for leaves, _ in flat]
         keywords = list(kwargs)
         positional = len(args)
 
         def call_model(*values):
-            return self.model(*values[:positional], **dict(zip(keywords, values[positional:])))
+            rebuilt, start = [], 0
+            for size, (_, spec) in zip(sizes, flat):
+                rebuilt.append(pytree.tree_unflatten(list(values[start : start + size]), spec))
+                start += size
+            return self.model(*rebuilt[:positional], **dict(zip(keywords, rebuilt[positional:])))
 
+        entries = self._entries(names, positional, count)
+        inputs = tuple(leaf for leaves, _ in flat for leaf in leaves)
+        leaf_names = tuple(
+            name if size == 1 and leaves[0] is value else f"{name} leaf {index}"
+            for name, value, (leaves, _), size in zip(names, (*args, *kwargs.values()), flat, sizes)
+            for index in range(size)
+        )
+        if not isinstance(entries, int):  # an input's entry moves each tensor inside it
+            entries = [entry if isinstance(leaf, Tensor) else None
+                       for entry, (leaves, _) in zip(entries, flat) for leaf in leaves]
         checked = CheckedCall(
             fn=call_model,
-            inputs=(*args, *kwargs.values()),
-            dim=self._entries(names, positional, count),
-            output_dim=None if self.invariant else SAME_AS_DIM,
+            inputs=inputs,
+            dim=entries,
+            output_dim=self.output_dim,
             kwargs={},
             module=self.model,
-            subject=type(self.model).__name__,
-            input_names=tuple(names),
+            subject=type_name(self.model),
+            input_names=leaf_names,
             wraps_module=False,  # call_model does nothing but call the model
         )
+        permutation = None if self.permutation is None else self.permutation(*args, **kwargs)
         try:
             with _context.rerunning():
-                result = measure(checked, seed=self._draw_seed(), permutation=None, submodules=False)
-                error = error_for(checked, result, None)
+                result = measure(checked, seed=self._draw_seed(), permutation=permutation, submodules=False)
+                error = error_for(checked, result, self.tolerance)
         except ValueError as problem:  # the inputs do not fit dim: say which call and which argument
-            raise ValueError(f"{self._describe()}: call {count + 1} of {type(self.model).__name__}: {problem}") from None
+            raise ValueError(f"{self._describe()}: call {count + 1} of {type_name(self.model)}: {problem}") from None
+        except Exception as problem:  # the model refused the permuted inputs: name the check, keep the cause
+            hint = ("" if self.permutation is not None else "; if the inputs hold several sets (a batch of graphs), "
+                    "pass permutation=, a function of the call's inputs that permutes within each set")
+            raise RuntimeError(
+                f"{self._describe()}: call {count + 1} of {type_name(self.model)} failed when the check ran it "
+                f"again on its inputs permuted: {type(problem).__name__}: {problem}{hint}"
+            ) from problem
         if error is not None:
             raise EquivarianceError(
                 f"{self._describe()}: call {count + 1} of the model, run again on its inputs and on them "
@@ -149,7 +201,7 @@ class ModelCheck:
         if isinstance(self.dim, Sequence):
             if len(self.dim) != positional:
                 raise ValueError(
-                    f"{self._describe()}: call {count + 1} of {type(self.model).__name__} has {positional} positional "
+                    f"{self._describe()}: call {count + 1} of {type_name(self.model)} has {positional} positional "
                     f"inputs but dim has {len(self.dim)} entries: give one per positional input, or a dict keyed "
                     "by parameter name to reach keyword inputs"
                 )
@@ -157,14 +209,24 @@ class ModelCheck:
         unknown = [key for key in self.dim if not (key in names or (isinstance(key, int) and 0 <= key < positional))]
         if unknown:
             raise ValueError(
-                f"{self._describe()}: call {count + 1} of {type(self.model).__name__} has no input {unknown[0]!r}; "
+                f"{self._describe()}: call {count + 1} of {type_name(self.model)} has no input {unknown[0]!r}; "
                 f"its inputs are {names}"
             )
         return [self.dim.get(name, self.dim.get(index)) for index, name in enumerate(names)]
 
     def _describe(self) -> str:
         invariant = ", invariant=True" if self.invariant else ""
-        return f"checking_equivariance({type(self.model).__name__}, dim={self.dim!r}{invariant})"
+        return f"checking_equivariance({type_name(self.model)}, dim={self.dim!r}{invariant})"
+
+
+def check_model_options(output_dim, tolerance, permutation, invariant: bool) -> None:
+    """The model-level options beside ``dim``, checked when the scope opens."""
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0):
+        raise ValueError(f"tolerance must be a number >= 0 (relative to each output's scale) or None, got {tolerance!r}")
+    if permutation is not None and not callable(permutation):
+        raise ValueError(f"permutation must be a function of the call's inputs returning a permutation, got {permutation!r}")
+    if invariant and output_dim is not SAME_AS_DIM:
+        raise ValueError("invariant=True already says the outputs stay unchanged: pass output_dim or invariant, not both")
 
 
 def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:

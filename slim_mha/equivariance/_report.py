@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from ._context import type_name
 from ._locate import Culprit, SubmoduleCheck, describe_trailing_code, find_culprit
 from ._measure import TensorError, format_indices
 
@@ -163,7 +164,15 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
                 f"    its {closest.name} {format_shape(closest.shape)}, closest reading "
                 f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
             )
-        if culprit.after_submodules:
+        unmoved = call.unmoved_inputs(tolerance)
+        if unmoved:
+            names = ", ".join(f"{error.name} {format_shape(error.shape)}" for error in unmoved)
+            lines.append(
+                f"    the break comes in with its input {names}, which has token axes but did not move with the "
+                "tokens while its other inputs did (a causal mask, a padding or position input held fixed): it is "
+                "not permutation-equivariant, or it must be permuted with the tokens"
+            )
+        elif culprit.after_submodules:
             lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
         elif culprit.code:
             lines.append(f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}")
@@ -220,5 +229,5 @@ def format_shape(shape: tuple[int, ...]) -> str:
 
 def subject_of(fn: Callable) -> str:
     if isinstance(fn, nn.Module):
-        return type(fn).__name__
+        return type_name(fn)
     return getattr(fn, "__qualname__", None) or type(fn).__name__
