@@ -11,6 +11,7 @@ __all__ = [
     "Case",
     "DTYPES",
     "MODES",
+    "SET_SHAPE",
     "TARGET_SHAPES",
     "build_matrix",
     "parse_shape",
@@ -25,6 +26,9 @@ ATTENTIONS = ("self", "cross")
 
 # (batch, seq_len, embed_dim, num_heads) named by the project's CPU targets.
 TARGET_SHAPES = ((8, 128, 256, 8), (4, 512, 512, 8))
+# A set or point-cloud transformer's size (a batch of small sets, narrow tokens), where a call takes
+# a tenth of a millisecond and Python around the kernels weighs most.
+SET_SHAPE = (16, 64, 64, 4)
 
 # The sweeps behind the speed-up plot. Batch follows the sequence length so that every case holds
 # about the same number of tokens: short sequences are not drowned in overhead, long ones stay
@@ -117,6 +121,7 @@ def _quick_cpu_cases(dtype: str) -> list[Case]:
     cases += [Case(*small, "cross", False, mode, dtype) for mode in ("inference", "train")]
     cases.append(Case(*small, "self", False, "train-equivariance", dtype))
     cases += [Case(batch, length, 256, 8, "self", False, "inference", dtype) for batch, length in ((16, 64), (4, 256))]
+    cases += [Case(*SET_SHAPE, "self", False, mode, dtype) for mode in ("inference", "train")]
     return cases
 
 

@@ -92,7 +92,9 @@ def run_encoder_case(case: EncoderCase, settings: Settings, device: torch.device
         peaks = {name: profile_step(call, device).peak_bytes for name, call in calls.items()}
         summaries = measure({name: (call, lambda: None) for name, call in calls.items()}, device, settings)
     paired = statistics.median(s / f for s, f in zip(summaries["stock"].samples_ms, summaries["slim"].samples_ms))
+    stalled = sorted(name for name, summary in summaries.items() if summary.stalled)
     return {
+        "stalled": stalled,  # timing.py: stalls even when measured again; no ratio is printed then
         "case": asdict(case),
         "label": case.label,
         "slim_path": "stock's fused layer" if _takes_stock(slim, x, padding) else "slim's attention",
@@ -120,8 +122,9 @@ def format_encoder(results: list[dict]) -> str:
     ]
     for r in results:
         peaks = r["peak_bytes"]
+        ratio = "stalled" if r.get("stalled") else f"{r['stock_over_slim']:.2f}x"
         lines.append(
-            f"| {r['label']} | {r['slim_path']} | {r['stock_ms']:.2f} | {r['slim_ms']:.2f} | {r['stock_over_slim']:.2f}x "
+            f"| {r['label']} | {r['slim_path']} | {r['stock_ms']:.2f} | {r['slim_ms']:.2f} | {ratio} "
             f"| {peaks['stock'] / 2**20:.1f} MiB | {peaks['slim'] / 2**20:.1f} MiB | {r['max_abs_error']:.1e} |"
         )
     return "\n".join(lines)
@@ -162,7 +165,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     with allocator_state("warm") if args.allocator == "warm" else contextlib.nullcontext():
         for case in cases:
             results.append(run_encoder_case(case, settings, device))
-            print(f"  {case.label}: {results[-1]['stock_over_slim']:.2f}x", flush=True)
+            last = results[-1]
+            print(f"  {case.label}: " + ("stalled, even measured again: no ratio" if last["stalled"]
+                                         else f"{last['stock_over_slim']:.2f}x"), flush=True)
     json_path = args.json or Path("bench-out") / f"encoder_{device.type}.json"
     write_json(json_path, {"command": " ".join(["python -m slim_mha.bench", *argv]), "device": device.type,
                            "threads": torch.get_num_threads(), "allocator": args.allocator, "results": results})

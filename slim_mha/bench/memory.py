@@ -51,6 +51,8 @@ _NATIVE_FAST_PATH = "aten::_native_multi_head_attention"
 _PROFILER_CHATTER = re.compile(
     r"^(USDT|STAGE):|\] (profiler_start|profiler_stop|Completed Stage)"
     r"|\] Memory block of unknown size was allocated before the profiling started"
+    # A CUDA build of torch on a machine without a GPU: the profiler's library probes for devices.
+    r"|\] gpuGetDeviceCount failed with code"
 )
 
 

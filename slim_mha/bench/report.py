@@ -59,6 +59,8 @@ def _ratio(result: dict, key: str) -> str:
     """The ratio of the medians, then the per-repeat paired median and its quartiles when recorded:
     ``1.02x (paired 1.03x, 0.97-1.08)``."""
     paired = result.get("paired_ratios", {}).get(key)
+    if is_stalled(result):
+        return "stalled (" + ", ".join(result["stalled"]) + "): no ratio"
     if paired is None:
         return f"{result['ratios'][key]:.2f}x"
     low, high = paired["quartiles"]
@@ -93,6 +95,11 @@ def _count(value: float) -> str:
     return f"{value / 1e6:.1f}M"
 
 
+def is_stalled(result: dict) -> bool:
+    """Whether a contender's median was still a stall after the case was measured again (timing.py)."""
+    return bool(result.get("stalled"))
+
+
 def paired_ratio(result: dict, key: str = "stock_over_slim") -> float:
     """The median over repeats of the ratio within one repeat; the ratio of medians where not recorded."""
     paired = result.get("paired_ratios", {}).get(key)
@@ -115,10 +122,14 @@ def format_table(results: list[dict]) -> str:
         time, memory, ratios, cold = result["time"], result["memory"], result["ratios"], result.get("cold")
         faults = "/".join(_count(cold[name]["faults_per_call"]) for name in ("stock", "slim")) if cold else "-"
         peak = "/".join(_compact(memory[name]["peak_bytes"] / _MIB) for name in ("stock", "slim"))
+        if is_stalled(result):
+            speed = f" {'stalled':>10} {'-':>6} {'-':>10}"
+        else:
+            speed = (f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
+                     f" {_compact(ratios['slim_over_floor']) + 'x':>10}")
         lines.append(
             f"{label:<{width}} {time['stock']['median_ms']:>8.2f} {time['slim']['median_ms']:>8.2f}"
-            f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
-            f" {_compact(ratios['slim_over_floor']) + 'x':>10} {faults:>9} {peak:>11}{'' if result['agrees'] else ' *'}"
+            f"{speed} {faults:>9} {peak:>11}{'' if result['agrees'] else ' *'}"
         )
     lines.append(
         "w: need_weights=True; train+eq: train-equivariance (slim with its equivariance check on).\n"
@@ -130,15 +141,26 @@ def format_table(results: list[dict]) -> str:
     )
     if not all(result["agrees"] for result in results):
         lines.append("* MISMATCH: slim's output differs from stock's by more than the dtype's tolerance")
+    if any(is_stalled(result) for result in results):
+        lines.append(_STALLED_NOTE)
     return "\n".join(lines)
+
+
+_STALLED_NOTE = (
+    "stalled: the machine stopped the process inside calls (samples over 3x the fastest call), and again\n"
+    "when the case was measured once more; its times are shown, but they are not a measurement of the code"
+)
 
 
 def format_summary(results: list[dict]) -> str:
     """Three lines: how slim's speed, memory and outputs compare with stock's over the run."""
     if not results:
         return "no case was run"
-    plain = [result for result in results if result["case"]["mode"] != "train-equivariance"]
+    stalled = [result for result in results if is_stalled(result)]
+    plain = [result for result in results if result["case"]["mode"] != "train-equivariance" and not is_stalled(result)]
     lines = []
+    if stalled:
+        lines.append(f"{len(stalled)} case(s) stalled even when measured again: no ratio is counted for them")
     if plain:
         ratios = sorted(paired_ratio(result) for result in plain)
         slowest = min(plain, key=paired_ratio)
@@ -297,8 +319,9 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
     del device  # one set of targets: what physics allows holds on every device
     plain = [result for result in results if result["case"]["mode"] != "train-equivariance"]
     bounds = {result["name"]: result["ratios"]["stock_over_floor"] for result in results}
-    speed = [(result["name"], paired_ratio(result)) for result in plain]
-    floor = [(result["name"], paired_ratio(result, "slim_over_floor")) for result in plain]
+    timed = [result for result in plain if not is_stalled(result)]  # a stalled case has no ratio to judge
+    speed = [(result["name"], paired_ratio(result)) for result in timed]
+    floor = [(result["name"], paired_ratio(result, "slim_over_floor")) for result in timed]
     peak_ratio = [
         (result["name"], result["memory"]["slim"]["peak_bytes"] / max(result["memory"]["stock"]["peak_bytes"], 1))
         for result in plain
@@ -402,7 +425,8 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         2, 1, figsize=(max(13.0, min(0.5 * count + 4.0, 52.0)), 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     for mode, colour in _MODE_COLOURS.items():
-        chosen = [index for index, result in enumerate(results) if result["case"]["mode"] == mode]
+        chosen = [index for index, result in enumerate(results)
+                  if result["case"]["mode"] == mode and not is_stalled(result)]
         if not chosen:
             continue
         ratios = [results[index]["ratios"]["stock_over_slim"] for index in chosen]

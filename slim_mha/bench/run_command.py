@@ -27,6 +27,7 @@ from .report import (
     format_summary,
     format_table,
     format_targets,
+    is_stalled,
     paired_ratio,
     plot_speedup,
     write_json,
@@ -196,9 +197,11 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
         write_json(json_path, payload)
         ratios = result["ratios"]
         left = (time.perf_counter() - started) / index * (len(cases) - index)
+        verdict = (f"stalled ({', '.join(result['stalled'])}), even measured again: no ratio" if is_stalled(result)
+                   else f"stock/slim {ratios['stock_over_slim']:.2f}x (paired {paired_ratio(result):.2f}x)")
         print(
-            f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  stock/slim {ratios['stock_over_slim']:.2f}x "
-            f"(paired {paired_ratio(result):.2f}x)" + (f"  about {left:.0f} s left" if left else ""),
+            f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  {verdict}"
+            + (f"  about {left:.0f} s left" if left else ""),
             file=sys.stderr,
             flush=True,
         )

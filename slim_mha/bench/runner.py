@@ -116,6 +116,10 @@ def time_interleaved(
             settle(step, reset)
         timings = measure(steps, device, settings)
     result["allocator_controlled"] = controlled
+    # Stalls (timing.py): which contenders' medians are still stalls after a re-measure; no ratio is
+    # printed for such a case.
+    result["remeasured"] = any(summary.remeasured for summary in timings.values())
+    result["stalled"] = sorted(name for name, summary in timings.items() if summary.stalled)
     samples = {name: summary.samples_ms for name, summary in timings.items()}
     result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
     result["ratios"] = {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in ratios}

@@ -152,6 +152,8 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
         "faults_per_call": {name: summary.faults_per_call for name, summary in timings.items()},
         "samples_ms": samples,
         "calls_per_sample": timings["stock"].calls_per_sample,
+        "remeasured": timings["stock"].remeasured,
+        "stalled": sorted(name for name, summary in timings.items() if summary.stalled),
         "relative_error": errors,
         "load_average": [load_before, _load_average()],
     }
@@ -171,6 +173,9 @@ def format_result(result: dict, busy: int, allocator: str) -> str:
         f"{torch.get_num_threads()} threads{load}",
         "  ms (median)    " + "  ".join(f"{name} {ms[name]:.2f}" for name in names),
     ]
+    if result.get("stalled"):  # timing.py: stalls even when measured again, so no ratio is a measurement
+        lines.append(f"  stalled ({', '.join(result['stalled'])}), even measured again: no ratio")
+        return "\n".join(lines)
     for key, paired in result["paired_ratios"].items():
         low, high = paired["quartiles"]
         label = key.replace("_over_", "/")
