@@ -2,7 +2,7 @@
 
 * ``run`` (the default, also with its options and no subcommand): ``run_command.py``;
 * ``scale``: ``scale_command.py``; ``detr``: ``detr_command.py``; ``weights``: ``weights_command.py``;
-  ``encoder``: ``encoder.py``.
+  ``encoder``: ``encoder.py``; ``model``: ``model.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import detr_command, encoder, run_command, scale_command, weights_command
+from . import detr_command, encoder, model, run_command, scale_command, weights_command
 
 __all__ = ["build_parser", "main"]
 
@@ -21,13 +21,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark SlimMultiheadAttention against stock nn.MultiheadAttention. Without a\n"
         "subcommand, or with its options alone, it does what 'run' does.",
         epilog=run_command.EXAMPLES
-        + "  python -m slim_mha.bench scale --help  # the other subcommands: scale, detr, weights, encoder\n",
+        + "  python -m slim_mha.bench scale --help  # the other subcommands: scale, detr, weights, encoder, model\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run_command.add_options(parser)
     parser.set_defaults(handler=run_command.run, parser=parser)
     subparsers = parser.add_subparsers(title="subcommands", metavar="COMMAND")
-    for command in (run_command, scale_command, detr_command, weights_command, encoder):
+    for command in (run_command, scale_command, detr_command, weights_command, encoder, model):
         command.add_parser(subparsers)
     return parser
 

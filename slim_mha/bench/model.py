@@ -1,0 +1,333 @@
+"""``python -m slim_mha.bench model MODULE:CALLABLE``: what patching does to a user's own model.
+
+The callable is called with no arguments twice, once as it is and once under
+``slim_mha.patched()``; the patched model loads the first one's state dict, so both hold the same
+weights. The command then checks that they agree (eval outputs, and the gradients of one training
+step on the sum of squares of the first output tensor, dropout zeroed, the key slot of every
+``in_proj_bias`` left out since slim gives it no gradient), each against a float64 run of the
+stock model, and times inference and a training step of both interleaved, with their peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from .allocator import allocator_state
+from .cases import parse_shape
+from .memory import profile_step
+from .options import add_device_option, add_timing_options, device_and_settings
+from .report import write_json
+from .timing import Settings, measure
+
+__all__ = ["add_parser", "run", "benchmark_model", "ModelInputError"]
+
+_EXAMPLES = """\
+examples:
+  python -m slim_mha.bench model torchvision.models:vit_b_16 --input 2x3x224x224
+  python -m slim_mha.bench model my_project.models:build_model --input-fn my_project.data:example_batch
+  python -m slim_mha.bench model torch.nn:Transformer --input 10x2x512 --input 7x2x512 --json out/model.json
+"""
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Slim may be this many times as far from the float64 run as stock is, plus FLOOR of the scale.
+_STOCK_ERROR_FACTOR = 2.0
+_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+class ModelInputError(ValueError):
+    """Bad input to the command: one line that names the argument and the fix."""
+
+
+def _resolve(target: str, option: str) -> Callable:
+    """``"package.module:name.attr"`` -> the object, or a one-line error naming ``option``."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ModelInputError(f"{option} {target!r}: write it as MODULE:CALLABLE, e.g. torchvision.models:vit_b_16")
+    try:
+        value = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ModelInputError(
+            f"{option} {target!r}: cannot import {module_name!r} ({error}); install it, or run from the folder that holds it"
+        ) from None
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise ModelInputError(f"{option} {target!r}: {module_name!r} has no attribute {attribute!r}; check the name")
+        value = getattr(value, part)
+    if not callable(value):
+        raise ModelInputError(f"{option} {target!r}: {attribute!r} is a {type(value).__name__}, not a callable")
+    return value
+
+
+def _build(factory: Callable, target: str, patched: bool) -> nn.Module:
+    import slim_mha
+
+    torch.manual_seed(0)
+    try:
+        with slim_mha.patched() if patched else _nothing():
+            model = factory()
+    except Exception as error:  # the user's code: say whose it is
+        raise ModelInputError(f"{target} failed when called with no arguments: {type(error).__name__}: {error}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelInputError(f"{target} returned a {type(model).__name__}, not an nn.Module: give a callable that builds the model")
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _inputs(shapes: list[str], input_fn: str | None, dtype: torch.dtype, device: torch.device) -> tuple:
+    if input_fn is not None:
+        value = _resolve(input_fn, "--input-fn")()
+        args = value if isinstance(value, tuple) else (value,)
+    else:
+        generator = torch.Generator().manual_seed(0)
+        args = []
+        for text in shapes:
+            try:
+                shape = tuple(int(part) for part in text.lower().split("x"))
+            except ValueError:
+                shape = ()
+            if not shape or min(shape) <= 0:
+                raise ModelInputError(f"--input {text!r}: a shape is positive integers joined by x, e.g. 2x3x224x224")
+            args.append(torch.randn(shape, generator=generator))
+    return tuple(pytree.tree_map(lambda x: _cast(x, dtype, device), arg) for arg in args)
+
+
+def _cast(x, dtype: torch.dtype, device: torch.device):
+    if not isinstance(x, Tensor):
+        return x
+    return x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
+
+
+def _first_tensor(output) -> Tensor:
+    leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+    if not leaves and hasattr(output, "__dict__"):  # a dataclass or plain object pytree does not know
+        leaves = [leaf for leaf in pytree.tree_leaves(dict(vars(output))) if isinstance(leaf, Tensor)]
+    if not leaves:
+        raise ModelInputError(f"the model returned {type(output).__name__} with no tensor in it: nothing to compare or train")
+    return leaves[0]
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    """A copy whose dropout is zero: layers, and attention's own."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
+
+
+def _key_slots(model: nn.Module) -> dict[str, slice]:
+    """The key slot of each attention's packed bias, by parameter name: slim gives it no gradient."""
+    return {
+        f"{name}.in_proj_bias" if name else "in_proj_bias": slice(module.embed_dim, 2 * module.embed_dim)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention) and module.in_proj_bias is not None
+    }
+
+
+def _run_step(model: nn.Module, args: tuple, train: bool) -> dict[str, Tensor]:
+    if not train:
+        with torch.no_grad():
+            return {"output": _first_tensor(model.eval()(*args)).detach()}
+    model.train().zero_grad(set_to_none=True)
+    output = _first_tensor(model(*args))
+    output.float().square().sum().backward()
+    tensors = {"output": output.detach()}
+    tensors.update({name: p.grad.detach() for name, p in model.named_parameters() if p.grad is not None})
+    return tensors
+
+
+def _agreement(stock: nn.Module, slim: nn.Module, args: tuple) -> dict:
+    """Eval outputs and one training step's gradients, each against a float64 run of stock."""
+    stock, slim = _without_dropout(stock), _without_dropout(slim)
+    reference = copy.deepcopy(stock).double()
+    exact_args = tuple(pytree.tree_map(lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x, a)
+                       for a in args)
+    slots = _key_slots(stock)
+    worst, agrees = {}, True
+    for train in (False, True):
+        runs = [_run_step(model, a, train) for model, a in ((stock, args), (slim, args), (reference, exact_args))]
+        for name in runs[0]:
+            expected, actual, exact = (run[name] for run in runs)
+            if name in slots:  # slim never trains the key slot: compare the query and value slots
+                keep = torch.ones(expected.shape[0], dtype=torch.bool, device=expected.device)
+                keep[slots[name]] = False
+                expected, actual, exact = expected[keep], actual[keep], exact[keep]
+            exact = exact.double()
+            scale = max(1.0, exact.abs().max().item()) if exact.numel() else 1.0
+            stock_error = (expected.double() - exact).abs().max().item() if exact.numel() else 0.0
+            slim_error = (actual.double() - exact).abs().max().item() if exact.numel() else 0.0
+            bound = _STOCK_ERROR_FACTOR * stock_error + _FLOOR[expected.dtype] * scale
+            key = f"{'train' if train else 'eval'} {name}"
+            worst[key] = {"slim_error": slim_error, "stock_error": stock_error, "bound": bound}
+            agrees &= slim_error <= bound
+    return {"agrees": agrees, "errors": worst}
+
+
+def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, device: torch.device) -> dict:
+    results = {}
+    for mode in ("inference", "train"):
+        calls = {}
+        for name, model in (("stock", stock), ("slim", slim)):
+            if mode == "inference":
+                model.eval()
+
+                def step(model=model):
+                    with torch.inference_mode():
+                        model(*args)
+
+                reset = _no_reset
+            else:
+                model.train()
+
+                def step(model=model):
+                    _first_tensor(model(*args)).float().square().sum().backward()
+
+                def reset(model=model):
+                    model.zero_grad(set_to_none=True)
+
+            calls[name] = (step, reset)
+        peaks = {}
+        for name, (step, reset) in calls.items():
+            reset()
+            step()  # warm
+            reset()
+            peaks[name] = profile_step(step, device).peak_bytes
+        summaries = measure(calls, device, settings)
+        stalled = sorted(name for name, summary in summaries.items() if summary.stalled)
+        results[mode] = {
+            "stock_ms": summaries["stock"].median_ms,
+            "slim_ms": summaries["slim"].median_ms,
+            "stock_over_slim": None if stalled else statistics.median(
+                a / b for a, b in zip(summaries["stock"].samples_ms, summaries["slim"].samples_ms)),
+            "stalled": stalled,
+            "peak_bytes": peaks,
+        }
+    return results
+
+
+def _no_reset() -> None:
+    pass
+
+
+def benchmark_model(
+    target: str, shapes: list[str], input_fn: str | None, dtype: torch.dtype, settings: Settings, device: torch.device
+) -> dict:
+    """Build, compare and time; raises :class:`ModelInputError` for what the user must fix."""
+    from slim_mha import SlimMultiheadAttention
+
+    factory = _resolve(target, "MODULE:CALLABLE")
+    if not shapes and input_fn is None:
+        raise ModelInputError("give the model's inputs: --input SHAPE (one per argument) or --input-fn MODULE:CALLABLE")
+    stock = _build(factory, target, patched=False).to(device=device, dtype=dtype)
+    slim = _build(factory, target, patched=True).to(device=device, dtype=dtype)
+    try:
+        slim.load_state_dict(stock.state_dict())
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0]
+        raise ModelInputError(f"{target}: the two builds differ, so weights cannot be shared ({first}); "
+                              "build the model deterministically") from None
+    swapped = sum(isinstance(module, SlimMultiheadAttention) for module in slim.modules())
+    args = _inputs(shapes, input_fn, dtype, device)
+    try:
+        with torch.no_grad():
+            stock.eval()(*args)
+    except Exception as error:
+        raise ModelInputError(
+            f"--input: the model rejected its inputs: {type(error).__name__}: {str(error).strip().splitlines()[0]}; "
+            "give the shapes (or --input-fn) its forward takes"
+        ) from None
+    agreement = _agreement(stock, slim, args)
+    timing = _timed(stock, slim, args, settings, device)
+    return {
+        "model": target,
+        "inputs": [list(a.shape) if isinstance(a, Tensor) else type(a).__name__ for a in args],
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "attention_modules": swapped,
+        "agrees": agreement["agrees"],
+        "errors": agreement["errors"],
+        **timing,
+    }
+
+
+def format_model(result: dict) -> str:
+    lines = [
+        f"{result['model']}: {result['attention_modules']} attention module(s) made slim; "
+        f"outputs and gradients {'agree' if result['agrees'] else 'DO NOT AGREE'} with stock "
+        f"({result['dtype']}, against a float64 run)",
+        f"{'':<10} {'stock ms':>9} {'slim ms':>9} {'stock/slim':>10} {'peak stock':>11} {'peak slim':>10}",
+    ]
+    for mode in ("inference", "train"):
+        r = result[mode]
+        ratio = "stalled" if r["stalled"] else f"{r['stock_over_slim']:.2f}x"
+        peaks = r["peak_bytes"]
+        lines.append(
+            f"{mode:<10} {r['stock_ms']:>9.2f} {r['slim_ms']:>9.2f} {ratio:>10} "
+            f"{_size(peaks['stock']):>11} {_size(peaks['slim']):>10}"
+        )
+    lines.append("stock/slim: the median over interleaved repeats of stock's time over slim's; above 1 slim is faster.")
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "model",
+        help="your own model: built stock and patched, compared and timed",
+        description="Build MODULE:CALLABLE (called with no arguments) stock and under slim_mha.patched(), check\n"
+        "that they agree, and time inference and a training step of both (slim_mha/bench/model.py).",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("target", metavar="MODULE:CALLABLE", help="what builds the model, e.g. torchvision.models:vit_b_16")
+    parser.add_argument("--input", action="append", default=[], metavar="SHAPE",
+                        help="a random float input of this shape, e.g. 2x3x224x224; one per positional argument")
+    parser.add_argument("--input-fn", metavar="MODULE:CALLABLE",
+                        help="returns the model's arguments (a tuple, or one tensor): token ids, graphs")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
+    add_device_option(parser)
+    add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)", cold=False)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.set_defaults(handler=run, parser=parser)
+    return parser
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    device, settings = device_and_settings(args)
+    if args.input and args.input_fn:
+        args.parser.error("--input and --input-fn: give one of them")
+    try:
+        with allocator_state("warm"):
+            result = benchmark_model(args.target, args.input, args.input_fn, _DTYPES[args.dtype], settings, device)
+    except ModelInputError as error:
+        print(f"slim-mha-bench model: {error}", file=sys.stderr)
+        return 2
+    result["command"] = " ".join(["python -m slim_mha.bench", *argv])
+    if args.json:
+        write_json(args.json, result)
+    print(format_model(result))
+    if args.json:
+        print(f"results written to {args.json}")
+    return 0 if result["agrees"] else 1
