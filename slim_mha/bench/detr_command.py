@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .allocator import allocator_state
 from .detr import format_detr, format_detr_lines, run_detr
-from .options import add_device_option, add_timing_options, device_and_settings
+from .options import add_device_option, add_timing_options, device_and_settings, subcommand
 from .report import write_json
 
 __all__ = ["add_parser", "run"]
@@ -20,13 +20,13 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "detr",
         help="DETR's decoder layer: stock, slim, slim with skip_unread_weights=True",
         description="Time DETR's decoder layer (L=100, S=950, E=256, H=8, B=2) with stock, slim and slim with\n"
         "skip_unread_weights=True, in inference and training (slim_mha/bench/detr.py).",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
     )
     add_device_option(parser)
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)")

@@ -23,7 +23,7 @@ from torch import nn
 
 from .allocator import allocator_state
 from .memory import profile_step
-from .options import add_device_option, add_timing_options, device_and_settings
+from .options import add_device_option, add_timing_options, device_and_settings, subcommand
 from .report import write_json
 from .timing import Settings, measure
 
@@ -131,13 +131,13 @@ def format_encoder(results: list[dict]) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "encoder",
         help="nn.TransformerEncoder in inference: patched against stock's fused layer",
         description="Time nn.TransformerEncoder (2 layers, B=4 E=256 H=8, feed-forward 1024) in inference,\n"
         "stock against slim_mha.patched(), with and without a padding mask (slim_mha/bench/encoder.py).",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
     )
     add_device_option(parser)
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)", cold=False)

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from .allocator import allocator_state
 from .cases import parse_shape
 from .memory import profile_step
-from .options import add_device_option, add_timing_options, device_and_settings
+from .options import add_device_option, add_timing_options, device_and_settings, subcommand
 from .report import write_json
 from .timing import Settings, measure
 
@@ -293,13 +293,13 @@ def _size(count: int) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "model",
         help="your own model: built stock and patched, compared and timed",
         description="Build MODULE:CALLABLE (called with no arguments) stock and under slim_mha.patched(), check\n"
         "that they agree, and time inference and a training step of both (slim_mha/bench/model.py).",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
     )
     parser.add_argument("target", metavar="MODULE:CALLABLE", help="what builds the model, e.g. torchvision.models:vit_b_16")
     parser.add_argument("--input", action="append", default=[], metavar="SHAPE",

@@ -17,6 +17,7 @@ __all__ = [
     "script_parser",
     "timing_settings",
     "device_and_settings",
+    "subcommand",
 ]
 
 # Per device, (repeats, min_repeats, min_sample_s, max_case_s) for the quick and the full run.
@@ -77,6 +78,13 @@ def timing_settings(
         max_case_s=args.max_case_s if args.max_case_s is not None else max_case_s,
         seed=args.seed,
         cold_repeats=getattr(args, "cold_repeats", 0) if device.type == "cpu" else 0,
+    )
+
+
+def subcommand(subparsers, name: str, *, help: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, its description and examples printed as written."""
+    return subparsers.add_parser(
+        name, help=help, description=description, epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 

@@ -19,7 +19,7 @@ from .allocator import allocator_state
 from .cases import DTYPES, MODES, build_matrix, parse_shape
 from .contenders import equivariance_support
 from .load import competing_load
-from .options import add_device_option, add_timing_options, resolve_device, timing_settings
+from .options import add_device_option, add_timing_options, resolve_device, subcommand, timing_settings
 from .report import (
     evaluate_targets,
     format_markdown,
@@ -121,12 +121,12 @@ class _WithoutDefaults:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """The ``run`` subcommand, with the run's options and no defaults of its own (the bare command's apply)."""
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "run",
         help="the matrix of cases, slim against stock and the floor (the default)",
         description=__doc__.split("\n\n")[1],
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
     )
     add_options(_WithoutDefaults(parser))
     parser.set_defaults(handler=run, parser=parser)

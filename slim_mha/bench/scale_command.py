@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .options import subcommand
 from .report import write_json
 from .runner import describe_environment
 from .scale_cases import BUDGETS, CONTENDERS, DTYPES, MODES, SHAPES, TOKENS, Settings, build_series
@@ -57,13 +58,13 @@ def _bytes(text: str) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """The ``scale`` subcommand and its options."""
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "scale",
         help="how time and memory grow with the number of tokens N",
         description="How time and memory of stock and slim attention grow with the number of tokens N\n"
         "(need_weights=False), each case in its own capped process.",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
     )
     parser.set_defaults(handler=run, parser=parser)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")

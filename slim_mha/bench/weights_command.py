@@ -26,7 +26,7 @@ from .allocator import allocator_state, prepare_cold_call
 from .cases import TARGET_SHAPES, Case, parse_shape
 from .contenders import MASKS, Contender, build_contenders, fast_path_enabled, output_error
 from .load import competing_load
-from .options import add_timing_options, timing_settings
+from .options import add_timing_options, subcommand, timing_settings
 from .report import excess_text, write_json
 from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment, measure_step_memory
 from .timing import measure
@@ -49,12 +49,12 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser = subcommand(
+        subparsers,
         "weights",
         help="inference with averaged weights: stock, slim and the floor (and slim in blocks)",
         description=__doc__.split("\n\n")[1],
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
     )
     parser.add_argument(
         "--shape", action="append", metavar="BxLxExH",
