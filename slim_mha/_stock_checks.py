@@ -44,6 +44,17 @@ def is_batched_mha_input(
     )
 
 
+def check_embed_dims(query: Tensor, key: Tensor, value: Tensor, embed_dim: int, same_embed_dim: bool) -> None:
+    """Stock's width checks, with F.multi_head_attention_forward's exception types and wording."""
+    if query.shape[-1] != embed_dim:
+        raise AssertionError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
+    if same_embed_dim:
+        if key.shape != value.shape:
+            raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+    elif key.shape[:2] != value.shape[:2]:
+        raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}")
+
+
 def _check_ranks(
     query_kind: str, rank: int, key: Tensor, value: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None
 ) -> None:

@@ -9,7 +9,8 @@ re-initialised, device and dtype cannot change, and an optimizer built before ke
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 __all__ = [
     "FOLDED_VALUE_BIAS",
@@ -17,6 +18,7 @@ __all__ = [
     "has_folded_value_bias",
     "rebuild_as",
     "refuse_folded_value_bias",
+    "refuse_rows_masked_from_every_key",
 ]
 
 # Set by slim_mha.fold_value_bias: the module's value bias was moved into out_proj.bias, which is
@@ -40,6 +42,21 @@ def refuse_folded_value_bias(module: nn.Module, where: str, caller: str) -> None
             f"{caller}: module {where} had its value bias folded into out_proj.bias (fold_value_bias), which "
             "stock cannot represent exactly: on a query row masked from every key stock outputs out_proj.bias, "
             "the fold adds W_o·b_v. Convert the model before folding it"
+        )
+
+
+def refuse_rows_masked_from_every_key(mask: Tensor) -> None:
+    """A folded value bias is exact only where attention rows sum to one (see fold_value_bias).
+
+    A query masked from every key has a row of zeros: stock outputs ``out_proj.bias`` there, while
+    the folded bias adds ``W_o b_v``. The fold cannot be undone here, so such a call is refused.
+    """
+    if bool(torch.isneginf(mask).all(dim=-1).any()):
+        raise RuntimeError(
+            "slim_mha: a query row is masked from every key, and this module's value bias was folded into "
+            "out_proj.bias (fold_value_bias), which is exact only where each query attends to some key "
+            "(stock outputs out_proj.bias on such a row, the fold adds W_o·b_v). Use the unfolded module "
+            "for inputs like this, or leave at least one key unmasked per query"
         )
 
 

@@ -19,7 +19,7 @@ __all__ = [
     "is_capturing_or_transforming",
     "fx_proxy_of",
     "stock_head_split",
-    "stock_kernel_with_head_weights",
+    "stock_kernel",
     "is_symbolic_call",
 ]
 
@@ -98,16 +98,18 @@ def stock_head_split(projected: Tensor, bias: Tensor, num_heads: int) -> tuple[T
     return torch._transform_bias_rescale_qkv(projected, bias, num_heads)
 
 
-def stock_kernel_with_head_weights(
+def stock_kernel(
     query: Tensor,
     num_heads: int,
     in_proj_weight: Tensor,
     in_proj_bias: Tensor,
     out_proj_weight: Tensor,
     out_proj_bias: Tensor,
-) -> tuple[Tensor, Tensor]:
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
     """Stock's native kernel on batch-first self-attention ``query`` ``(B, L, E)`` without masks:
-    the output ``(B, L, E)`` and every head's weights ``(B, H, L, L)``, not averaged.
+    the output ``(B, L, E)`` and, with ``need_weights``, every head's weights ``(B, H, L, L)``, not
+    averaged (``None`` without).
 
     Private: ``torch._native_multi_head_attention`` (no autograd), the op stock's ``forward`` calls,
     with the same arguments, on its fast path (batch-first self-attention, even head count, no
@@ -116,5 +118,5 @@ def stock_kernel_with_head_weights(
     embed_dim = query.shape[2]
     return torch._native_multi_head_attention(
         query, query, query, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        None, True, False,
+        None, need_weights, False,
     )

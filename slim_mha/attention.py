@@ -8,20 +8,33 @@ from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import attention_with_weights, blocks_forced, mean_over_heads, query_scale, scaled_heads
-from ._memory_guard import below_checked_size
-from ._stock_checks import attention_mask, is_batched_mha_input, refuse_mask_of_another_dtype, stock_returns_batch_major
-from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
+from ._explicit_attention import attention_with_weights, mean_over_heads, query_scale, scaled_heads
+from ._heads import merge_heads, split_heads
+from ._stock_checks import (
+    attention_mask,
+    check_embed_dims,
+    is_batched_mha_input,
+    refuse_mask_of_another_dtype,
+    stock_returns_batch_major,
+)
+from ._swap import (
+    FOLDED_VALUE_BIAS,
+    has_folded_value_bias,
+    rebuild_as,
+    refuse_folded_value_bias,
+    refuse_rows_masked_from_every_key,
+)
 from ._torch_compat import (
     STOCK_MHA,
     fx_proxy_of,
     is_capturing_or_transforming,
     is_symbolic_call,
     stock_head_split,
-    stock_kernel_with_head_weights,
+    stock_kernel,
 )
 from .bias import key_bias, restore_stock_layout, without_key_bias, without_key_bias_eager
 from .equivariance import _mode as _equivariance
+from .paths import choose_path
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
 
@@ -41,13 +54,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
       projection are not shifted by stock, so there the maths keeps ``b_k``: with ``add_bias_kv`` the
       appended key is ``bias_k - b_k``, with ``add_zero_attn`` the zero key is ``-b_k`` (see
       :mod:`slim_mha.bias`); ``b_k`` then trains as on stock.
-    * **Lean path.** One fused input projection; heads are split as views in the caller's layout;
-      ``scaled_dot_product_attention`` whenever weights are not requested; no ``batch_first``
-      transposes and no packed-projection copies.
-    * **Stock's kernel for stock's default call.** Self-attention that returns weights, without
-      masks or a graph, runs stock's native kernel with ``[b_q; 0; b_v]`` (where stock's fast path
-      would run it, and for sequence-first inputs too), and averages the heads' weights in one
-      batched product.
+    * **One owner of the path.** :func:`slim_mha.paths.choose_path` picks stock's own code given
+      ``[b_q; 0; b_v]`` where that is the floor (its native kernel, its Python path under
+      autocast), else slim's lean path: one fused projection, heads as views in the caller's
+      layout, ``scaled_dot_product_attention`` whenever weights are not requested.
 
     New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
     and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
@@ -129,126 +139,91 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
-        if (
-            query is key and key is value
-            and key_padding_mask is None and attn_mask is None and not is_causal  # is_causal alone: stock's error
-        ):
-            # Plain self-attention, checked first and in one place: every line before the first op
-            # costs several times its idle price here, right after the previous call's large ops.
-            result = self._attend_plain(query, need_weights, average_attn_weights)
-            if result is not None:
-                return result
-        call = AttentionCall(
-            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-        )
-        traced = fx_proxy_of(self, query, tuple(call))  # fx records the call, as it does stock's
-        if traced is not None:
-            return traced
-        drop_weights = False
-        if need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query):
-            call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
-        if query.is_nested or key.is_nested or value.is_nested:
-            # Only stock's native kernel takes nested tensors: stock's computation of the same parameters.
-            result = super().forward(*call)
-        else:
-            result = self._attend(call)
-            if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
-                _equivariance.check_call(self, result, call)
-        return (result[0], None) if drop_weights else result
+        call = AttentionCall(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
+        path, _ = choose_path(self, call)
+        if path != "slim":
+            return getattr(self, _RUNS[path])(call)
+        discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
+        return self._attend_with_options(call, discarded)
 
-    def _attend_plain(self, query: Tensor, need_weights: bool, average: bool) -> tuple[Tensor, Tensor | None] | None:
-        """Self-attention without masks or a graph, in the fewest ops: with weights, stock's native
-        kernel given ``[b_q; 0; b_v]``, then slim's average over heads; without, one input projection,
-        SDPA and the output projection. ``None`` for every call the general path must take.
+    def _traced(self, call: AttentionCall):
+        return fx_proxy_of(self, call.query, tuple(call))  # fx records the call, as stock's
 
-        These are the general path's own ops on the same bias (bit for bit, without weights), minus
-        its Python: at small shapes that Python is most of a call. Sequence-first calls take it too,
-        though stock's fast path refuses them: stock's Python path computes the same function, and
-        the kernel, given the query as a transposed view and its output copied back into
-        ``(L, B, E)``, is 1.09x-1.14x stock where slim's own path is 1.03x-1.06x (B=16 L=64 and B=8
-        L=128, E=256: ``benchmarks/sequence_first_weights.py``).
+    def _stock_forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        """Stock's own ``forward``: nested tensors, which only stock's native kernel takes."""
+        return super().forward(*call)
 
-        Stock's kernel is the floor for a call with weights (it writes the weights it must return
-        and nothing more); what slim saves is Python before it, and stock's average over heads (three
-        passes over the weights) becomes one batched product. The price is the ``3E``-element bias,
-        built for each call. Calls it does not take: masks, cross-attention, a graph, slim's own
-        options, traces and transforms, nothing to attend; and, with weights, every case stock's
-        fast path refuses and sizes the memory guard checks.
-        """
-        # Dict reads, not attribute reads: nn.Module.__getattr__ costs ten times as much. A
-        # parametrized projection is no longer in _parameters and is left to the general path.
-        parameters = self._parameters
-        weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
-        out_proj = self._modules.get("out_proj")
-        if weight is None or bias is None or out_proj is None:
-            return None
-        out_weight, out_bias = out_proj._parameters.get("weight"), out_proj._parameters.get("bias")
-        if (
-            out_weight is None
-            or out_bias is None
-            # The module: slim's own options, and what changes the function or draws random numbers.
-            or self.bias_k is not None
-            or self.bias_v is not None
-            or self.add_zero_attn
-            or (self.training and self.dropout > 0.0)
-            or self.check_equivariance
-            or _equivariance.SWITCH.active
-            # The call: a real batched tensor without a graph (the graph first: a training call
-            # leaves here at once), outside traces and transforms (checked before the torch calls
-            # below, so that Dynamo and the tracers never reach them).
-            or type(query) is not Tensor
-            or (torch.is_grad_enabled() and (query.requires_grad or weight.requires_grad or bias.requires_grad
-                                             or out_weight.requires_grad or out_bias.requires_grad))
-            or is_symbolic_call(query)
-            or query.dim() != 3
-            or query.is_nested
-            or not (query.is_cpu or query.is_cuda)  # device.type would build a device object
-            or not query.dtype == weight.dtype == bias.dtype == out_weight.dtype == out_bias.dtype
-            or torch.is_autocast_enabled("cuda" if query.is_cuda else "cpu")
-            or torch.overrides.has_torch_function((weight, bias, out_weight, out_bias))
-            or query.shape[2] != self.embed_dim
-            or query.numel() == 0
-        ):
-            return None
-        if not need_weights:
-            return self._attend_without_weights(query, weight, bias, out_weight, out_bias), None
-        if (
-            # What stock's fast path refuses (but sequence-first), and slim's own weights options.
-            self.training  # stock's Python path: its (L, B, E) layout, which slim's own path returns
-            or self.num_heads % 2
-            or self.skip_unread_weights
-            or not torch.backends.mha.get_fastpath_enabled()  # the user turned stock's kernel off
-            or blocks_forced()
-        ):
-            return None
+    def _stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks
+        (a sequence-first query goes in as a transposed view, its output comes back in stock's
+        layout). With weights, every head's weights come back and slim averages them in one
+        batched product, where stock's average takes three passes."""
+        query, need_weights, average = call.query, call.need_weights, call.average_attn_weights
+        bias = without_key_bias_eager(self.in_proj_bias)
         if not self.batch_first:  # (L, B, E): the kernel takes it batch-first, as a view
             query = query.transpose(0, 1)
-        batch, length, _ = query.shape
-        if not below_checked_size(batch, self.num_heads, length, length, query.element_size()):
-            return None
-        out, weights = stock_kernel_with_head_weights(
-            query, self.num_heads, weight, without_key_bias_eager(bias), out_weight, out_bias
-        )  # (B, L, E), (B, H, L, L)
+        out, weights = stock_kernel(
+            query, self.num_heads, self.in_proj_weight, bias, self.out_proj.weight, self.out_proj.bias, need_weights
+        )  # (B, L, E), (B, H, L, L) or None
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
-        return out, mean_over_heads(weights) if average else weights
+        if weights is not None and average:
+            weights = mean_over_heads(weights)
+        return out, weights
 
-    def _attend_without_weights(
-        self, query: Tensor, weight: Tensor, bias: Tensor, out_weight: Tensor, out_bias: Tensor
-    ) -> Tensor:
+    def _stock_python(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        """Stock's own Python path (``F.multi_head_attention_forward``) on these parameters, given
+        ``[b_q; 0; b_v]``: stock's function, strides and random draws by construction, with the key
+        slot neither read nor trained. For calls where slim's own path measured slower."""
+        query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
+        batched = query.dim() == 3
+        if self.batch_first and batched:  # as stock's forward: keep `query is key` through the transposes
+            if query is key and key is value:
+                query = key = value = query.transpose(1, 0)
+            elif key is value:
+                query, key = (x.transpose(1, 0) for x in (query, key))
+                value = key
+            else:
+                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        separate = {} if self._qkv_same_embed_dim else {
+            "use_separate_proj_weight": True, "q_proj_weight": self.q_proj_weight,
+            "k_proj_weight": self.k_proj_weight, "v_proj_weight": self.v_proj_weight,
+        }
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight,
+            without_key_bias_eager(self.in_proj_bias), None, None, False, self.dropout,
+            self.out_proj.weight, self.out_proj.bias, training=self.training, key_padding_mask=key_padding_mask,
+            need_weights=need_weights, attn_mask=attn_mask, average_attn_weights=average, is_causal=is_causal,
+            **separate,
+        )
+        return (out.transpose(1, 0) if self.batch_first and batched else out), weights
+
+    def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
+        """Slim's own path, with slim's own options around it: weights skipped where the caller
+        provably discards them, and the equivariance check."""
+        drop_weights = False
+        if weights_discarded:
+            call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
+        result = self._attend(call)
+        if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
+            _equivariance.check_call(self, result, call)
+        return (result[0], None) if drop_weights else result
+
+    def _attend_without_weights(self, call: AttentionCall) -> tuple[Tensor, None]:
         """The general path's ops for plain self-attention without weights, nothing else."""
-        projected = F.linear(query, weight, without_key_bias_eager(bias))
-        q, k, v = _split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
+        query = call.query
+        projected = F.linear(query, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias))
+        q, k, v = split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
         del projected
         # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E). The
         # rest of stock's fast-path test is this path's own entry condition.
         batch_major = (
             self.batch_first and not self.training and not self.num_heads % 2 and torch.backends.mha.get_fastpath_enabled()
         )
-        out = _merge_heads(F.scaled_dot_product_attention(q, k, v), batch_major)
+        out = merge_heads(F.scaled_dot_product_attention(q, k, v), batch_major)
         del q, k, v  # free the projection before the output projection allocates: lower peak
-        out = F.linear(out, out_weight, out_bias)
-        return out.transpose(0, 1) if self.batch_first and not batch_major else out
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
     def _attend(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
@@ -258,7 +233,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        self._check_embed_dims(query, key, value)
+        check_embed_dims(query, key, value, self.embed_dim, self._qkv_same_embed_dim)
 
         dropout_p = self.dropout if self.training else 0.0
         symbolic = is_symbolic_call(query)  # asked once: the projections and the weights path both need it
@@ -281,14 +256,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
         else:
             if mask is not None and has_folded_value_bias(self):
-                _refuse_rows_masked_from_every_key(mask)
+                refuse_rows_masked_from_every_key(mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
 
         # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory
         # behind a batch-first view wherever stock's Python path would run (training, above all).
         batch_major = batch_first and (not is_batched or stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask))
-        out = _merge_heads(out, batch_major)
+        out = merge_heads(out, batch_major)
         del q, k, v, mask  # free the projections before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if batch_first and not batch_major:
@@ -299,20 +274,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return out, weights
 
     # --------------------------------------------------------------------------------- the steps
-
-    def _check_embed_dims(self, query: Tensor, key: Tensor, value: Tensor) -> None:
-        # Same exception types and wording as F.multi_head_attention_forward.
-        if query.shape[-1] != self.embed_dim:
-            raise AssertionError(
-                f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]}"
-            )
-        if self._qkv_same_embed_dim:
-            if key.shape != value.shape:
-                raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
-        elif key.shape[:2] != value.shape[:2]:
-            raise AssertionError(
-                f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}"
-            )
 
     def _project(
         self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, symbolic: bool, weights_pass: bool = False
@@ -343,7 +304,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return F.linear(x, weight, bias)
 
         def queries(projected: Tensor) -> Tensor:
-            (q,) = _split_heads(projected, 1, H, batch_first)
+            (q,) = split_heads(projected, 1, H, batch_first)
             return scaled_heads(q) if one_pass else q  # the one-pass path's scaled copy, made here
 
         # Parts are passed, not read off weight.shape: under jit.trace a size read becomes a graph
@@ -362,7 +323,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                     packed = weight.new_zeros(3 * E)
                 q, k, v = stock_head_split(F.linear(query, weight), packed, H)
                 return q, k, v, True
-            q, k, v = _split_heads(project(query, weight, packed), 3, H, batch_first, contiguous=one_pass)
+            q, k, v = split_heads(project(query, weight, packed), 3, H, batch_first, contiguous=one_pass)
             if one_pass:  # the copy is ours: the queries scaled in place, as stock's head split scales them
                 q.mul_(query_scale(q.shape[-1]))
             return q, k, v, one_pass
@@ -375,7 +336,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             q = queries(project(query, w_q, b_q))
             projected = project(key, w_kv, kv_bias)
             del b_q, kv_bias  # the built bias is freed before the copies: it is not kept beside them
-            k, v = _split_heads(projected, 2, H, batch_first, contiguous=one_pass)
+            k, v = split_heads(projected, 2, H, batch_first, contiguous=one_pass)
             return q, k, v, one_pass
         b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
         if self._qkv_same_embed_dim:
@@ -383,8 +344,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         q = queries(project(query, w_q, b_q))
-        (k,) = _split_heads(project(key, w_k, None), 1, H, batch_first, contiguous=one_pass)  # no key bias
-        (v,) = _split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
+        (k,) = split_heads(project(key, w_k, None), 1, H, batch_first, contiguous=one_pass)  # no key bias
+        (v,) = split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
         return q, k, v, one_pass
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -422,6 +383,16 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
+# The method that runs each path that choose_path names ("slim", slim's own, runs in forward).
+_RUNS = {
+    "traced": "_traced",
+    "nested": "_stock_forward",
+    "stock kernel": "_stock_kernel",
+    "stock python": "_stock_python",
+    "plain": "_attend_without_weights",
+}
+
+
 def slim_options(
     *, check_equivariance: bool | None = None, check_equivariance_every: int = 1, skip_unread_weights: bool = False
 ) -> dict:
@@ -437,57 +408,6 @@ def slim_options(
     }
 
 
-def _refuse_rows_masked_from_every_key(mask: Tensor) -> None:
-    """A folded value bias is exact only where attention rows sum to one (see fold_value_bias).
-
-    A query masked from every key has a row of zeros: stock outputs ``out_proj.bias`` there, while
-    the folded bias adds ``W_o b_v``. The fold cannot be undone here, so such a call is refused.
-    """
-    if bool(torch.isneginf(mask).all(dim=-1).any()):
-        raise RuntimeError(
-            "slim_mha: a query row is masked from every key, and this module's value bias was folded into "
-            "out_proj.bias (fold_value_bias), which is exact only where each query attends to some key "
-            "(stock outputs out_proj.bias on such a row, the fold adds W_o·b_v). Use the unfolded module "
-            "for inputs like this, or leave at least one key unmasked per query"
-        )
-
-
 def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Stock's head split applies to a one-pass call (real tensors, no graph): one dtype, a non-empty input."""
     return query.numel() > 0 and weight.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
-
-
-def _split_heads(
-    projected: Tensor, parts: int, num_heads: int, batch_first: bool, *, contiguous: bool = False
-) -> list[Tensor]:
-    """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
-
-    ``contiguous`` (only without a graph): views of one head-major copy, ``(parts, B, H, L, D)``,
-    made in one op, so that each head's rows are one matrix of a batched product. (Views whose
-    ``B`` and ``H`` fold without that copy, as sequence-first ones can, make the products 4-10%
-    slower on CPU: their rows are ``B·E`` elements apart.)
-
-    When a graph is recorded the last axis is split first, so that the backward is a single ``cat``
-    straight into the projection's layout (unbinding a 5-D view would backprop through a ``stack``
-    and a permuting copy). Without a graph, one view, one permute and one unbind are cheaper.
-    """
-    d0, d1, width = projected.shape
-    head_dim = width // (parts * num_heads)
-    # A trace takes the graph-recording form always: jit.trace's check re-traces without a graph,
-    # and the two traces must agree.
-    if not projected.requires_grad and not torch.jit.is_tracing():
-        heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
-        heads = heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4))  # (parts, B, H, L, D)
-        return list((heads.contiguous() if contiguous else heads).unbind(0))
-    order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
-    # One part is not split: a split into one piece still copies its gradient in the backward.
-    pieces = projected.split_with_sizes((num_heads * head_dim,) * parts, dim=-1) if parts > 1 else (projected,)
-    return [part.view(d0, d1, num_heads, head_dim).permute(order) for part in pieces]  # (B, H, L, D) each
-
-
-def _merge_heads(out: Tensor, batch_first: bool) -> Tensor:
-    """``(B, H, L, D)`` -> ``(B, L, E)`` or ``(L, B, E)``; free when SDPA wrote ``(B, L, H, D)`` memory."""
-    B, H, L, D = out.shape
-    if batch_first:
-        return out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
-    return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)

@@ -48,3 +48,12 @@ def record_checks(monkeypatch) -> Callable[[Callable], list]:
         return seen
 
     return start
+
+
+@pytest.fixture
+def slims_own_paths(monkeypatch):
+    """Small calls without weights, which slim hands to stock's kernel by default in fp32 and bf16,
+    take slim's own short path instead, for the tests that exercise slim's own code at small sizes."""
+    from slim_mha import paths
+
+    monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})

@@ -703,7 +703,7 @@ def _train_step(module: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> tuple
     return [output.detach(), weights.detach()] + grads, torch.get_rng_state()
 
 
-def test_outputs_gradients_and_rng_identical_with_the_mode_on_in_train_mode_with_dropout(checks):
+def test_outputs_gradients_and_rng_identical_with_the_mode_on_in_train_mode_with_dropout(checks, slims_own_paths):
     module = build(Case(training=True, dtype=torch.float32))
     assert module.dropout > 0 and module.training
     x = torch.randn(BATCH, L_TGT, E)

@@ -72,7 +72,7 @@ def test_aten_ops_per_forward_stay_within_stocks_python_path_whatever_the_heads(
     assert slim_16 <= stock_16 + SLACK, f"slim {slim_16} aten ops per forward, stock's Python path {stock_16}"
 
 
-def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch):
+def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch, slims_own_paths):
     """The check can fail: the weights computed one head at a time, as slim once did."""
     import slim_mha._explicit_attention as explicit
 

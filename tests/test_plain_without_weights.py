@@ -1,7 +1,7 @@
 """Plain self-attention without weights: which calls take the short path, and every one against stock.
 
 Self-attention with ``need_weights=False``, without masks and without a graph, skips the general
-path's bookkeeping (``SlimMultiheadAttention._attend_plain`` then ``_attend_without_weights``): one
+path's bookkeeping (``choose_path`` names it ``"plain"``, ``_attend_without_weights`` runs it): one
 input projection with ``[b_q; 0; b_v]``, SDPA and the output projection, the general path's own ops.
 Each test counts the short path's calls, so a call that silently changes path fails, and compares
 the result with stock ``nn.MultiheadAttention`` built from the same weights (and, where the short
@@ -37,9 +37,12 @@ from torch.nn.utils import parametrize
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha.bench.contenders import fast_path_enabled
+from slim_mha import attention
 from slim_mha.bench.memory import profile_step
 
 WITHOUT = {"need_weights": False}
+# Slim's own short path: not stock's kernel, which takes these small calls by default in fp32 and bf16.
+pytestmark = pytest.mark.usefixtures("slims_own_paths")
 
 
 @pytest.fixture
@@ -52,7 +55,7 @@ def short_calls(monkeypatch) -> list:
 def general_path_only(monkeypatch):
     """Every call through the general path, as before the short path existed."""
     with monkeypatch.context() as patch:
-        patch.setattr(SlimMultiheadAttention, "_attend_plain", lambda self, *args: None)
+        patch.setattr(attention, "choose_path", lambda module, call: ("slim", "the test's"))  # forward's binding
         yield
 
 

@@ -107,7 +107,7 @@ def test_small_calls_never_read_the_limits_and_match_stock(monkeypatch):
         assert_close_scaled(weights, expected_weights, "weights")
 
 
-def test_guard_can_refuse_any_size_once_its_threshold_is_lowered(monkeypatch):
+def test_guard_can_refuse_any_size_once_its_threshold_is_lowered(monkeypatch, slims_own_paths):
     """What the tracing tests below rely on: with no threshold even a tiny eager call is checked."""
     monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
     monkeypatch.setattr(guard, "available_bytes", lambda device: (0, "the test's limit"))

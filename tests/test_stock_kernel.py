@@ -2,7 +2,7 @@
 
 Self-attention that returns weights, without masks and without a graph, runs stock's
 native kernel (``torch._native_multi_head_attention``) with the bias ``[b_q; 0; b_v]`` and averages
-the heads in slim (``SlimMultiheadAttention._attend_plain``). Every other call takes the
+the heads in slim (``choose_path`` names it ``"stock kernel"``). Every other call takes the
 general path. Each test here counts the kernel's calls, so a call that silently changes path fails,
 and compares the result with stock ``nn.MultiheadAttention`` built from the same weights.
 """
@@ -44,7 +44,7 @@ from slim_mha.bench.contenders import fast_path_enabled
 @pytest.fixture
 def kernel_calls(monkeypatch) -> list:
     """Every call of stock's kernel from slim, recorded."""
-    return recorded_calls(monkeypatch, attention, "stock_kernel_with_head_weights")
+    return recorded_calls(monkeypatch, attention, "stock_kernel")
 
 
 # ---------------------------------------------------------------------------- calls that take it
@@ -126,7 +126,7 @@ def test_a_copy_and_a_state_dict_round_trip_take_it_and_agree(kernel_calls):
 
 
 GENERAL_PATH = [
-    *REFUSED, "odd heads", "sequence first, odd heads", "autocast", "fast path disabled", "need_weights=False",
+    *REFUSED, "odd heads", "sequence first, odd heads", "autocast", "fast path disabled", "need_weights=False, large",
     "training without dropout",  # stock's Python path: its (L, B, E) layout, which the kernel does not return
 ]
 
@@ -144,8 +144,10 @@ def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(ca
         query = key = value = x.transpose(0, 1).contiguous()
     elif case == "autocast":
         context = torch.autocast("cpu", dtype=torch.bfloat16)
-    elif case == "need_weights=False":
+    elif case == "need_weights=False, large":  # scores above what the kernel takes without weights
         kwargs["need_weights"] = False
+        stock, slim = modules(embed=64)
+        query = key = value = tokens(torch.float32, 8, 200, 64)
     elif case == "training without dropout":
         stock.train(), slim.train()
         context = torch.no_grad()
@@ -156,6 +158,19 @@ def test_calls_stocks_fast_path_refuses_take_the_general_path_and_match_stock(ca
         else:
             assert_like_stock(stock, slim, query, key, value, **kwargs)
     assert kernel_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_calls_without_weights_take_stocks_kernel_where_it_is_faster(dtype, kernel_calls):
+    """Without weights, the kernel runs where its scores are small (fp32) or in bf16, where it beats
+    SDPA on the CPU; it is given [b_q; 0; b_v] and returns no weights."""
+    stock, slim = modules(dtype=dtype)
+    x = tokens(dtype)
+    with torch.inference_mode():
+        assert_like_stock(stock, slim, x, x, x, need_weights=False)
+        assert slim(x, x, x, need_weights=False)[1] is None
+    assert len(kernel_calls) == 2 and kernel_calls[0][6] is False  # need_weights=False
+    assert torch.equal(kernel_calls[0][3][EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))
 
 
 def _odd_head_modules(batch_first: bool = True):

@@ -35,6 +35,8 @@ from slim_mha import attention as attention_module
 from slim_mha.bench.detr import DetrShape, DetrStyleDecoderLayer, detr_inputs, explicit_softmax_calls
 
 E, H, L, S, B = 16, 4, 5, 7, 3
+# These tests count slim's own weights path: not stock's Python path, which small calls take by default.
+pytestmark = pytest.mark.usefixtures("slims_own_paths")
 
 PYTHON = sys.version_info[:2]
 needs_tested_bytecode = pytest.mark.skipif(

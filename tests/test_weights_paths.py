@@ -29,6 +29,8 @@ from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
 from slim_mha.bench.memory import profile_step
 
 BATCH, TGT_LEN, SRC_LEN, EMBED, HEADS = 2, 7, 5, 12, 3
+# These tests exercise slim's own weights paths: not stock's Python path, which small calls take by default.
+pytestmark = pytest.mark.usefixtures("slims_own_paths")
 MASKS = ("none", "key_padding", "attn_mask_float", "attn_mask_bool")
 # One pass, blocks of one query row, blocks of about a third of the rows (the last one shorter where
 # they do not divide), and the blocks the guard picks one byte short of one pass.

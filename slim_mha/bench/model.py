@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .allocator import allocator_state
-from .cases import parse_shape
 from .memory import profile_step
 from .options import add_device_option, add_timing_options, device_and_settings, subcommand
 from .report import write_json

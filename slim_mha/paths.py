@@ -1,0 +1,111 @@
+"""The one owner of the path an attention call takes: :func:`choose_path`.
+
+Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its here, and
+``SlimMultiheadAttention.forward`` reads: choose, run. The rules and the measurements behind them
+are in ``benchmarks/RESULTS.md``, "Paths".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ._call import AttentionCall
+from ._explicit_attention import blocks_forced
+from ._memory_guard import below_checked_size
+from ._swap import FOLDED_VALUE_BIAS
+from ._torch_compat import is_symbolic_call
+from .equivariance import _mode as _equivariance
+
+__all__ = ["STOCK_KERNEL_MAX_SCORE_BYTES", "choose_path"]
+
+# Self-attention without weights takes stock's native kernel where its scores fit in this many
+# bytes: there the kernel is faster and the memory slim saves is small. On the CPU in bf16 the
+# kernel beats SDPA at every size of the quick matrix (slim's own path read 0.72x-0.82x); in fp32
+# only at the smallest (0.90x-0.93x at L=64); in fp16 stock's kernel is slow on the CPU; CUDA has not
+# been measured, and keeps slim's path (benchmarks/RESULTS.md, "Paths").
+STOCK_KERNEL_MAX_SCORE_BYTES = {
+    ("cpu", torch.float32): 2 << 20,
+    ("cpu", torch.bfloat16): 32 << 20,
+}
+
+
+def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str, str]:
+    """The path ``call`` takes, and why it cannot take a shorter one (``""`` when it takes one).
+
+    The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's:
+
+    * ``"traced"``: ``torch.fx`` symbolic tracing records the call, as it records stock's;
+    * ``"nested"``: nested tensors, which only stock's native kernel takes;
+    * ``"stock python"``: under autocast, stock's Python path given ``[b_q; 0; b_v]`` (stock never
+      runs its kernel under autocast, so its Python path is the floor);
+    * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
+      masks or a graph where stock's fast path would run it: with weights always (it is the floor),
+      without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`);
+    * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
+    * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
+
+    Cheap on purpose: at the sizes of set models a call takes a tenth of a millisecond, and every
+    microsecond here is a percent of it. So the module's state is read from its dictionaries.
+    """
+    query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
+    if isinstance(query, torch.fx.Proxy):
+        return "traced", ""
+    if query.is_nested or key.is_nested or value.is_nested:
+        return "nested", ""
+    why = _why_slims_own_path(module, query, need_weights)
+    if why:
+        return "slim", why
+    if torch.is_autocast_enabled(query.device.type):
+        return "stock python", ""
+    state = module.__dict__
+    if not (
+        query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
+        and state["_qkv_same_embed_dim"]
+    ):
+        return "slim", "masks or cross-attention"
+    training = state["training"]
+    if torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in module.parameters())):
+        return "slim", "a graph is recorded"
+    if training and state["dropout"] > 0.0:
+        return "slim", "attention dropout"
+    kernel = not training and not state["num_heads"] % 2 and torch.backends.mha.get_fastpath_enabled()
+    batch, length = query.shape[:2] if state["batch_first"] else (query.shape[1], query.shape[0])
+    if need_weights:
+        if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
+            return "stock kernel", ""
+        return "slim", "weights stock's fast path would not compute, or too large to check"
+    largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((query.device.type, query.dtype), -1)
+    if kernel and batch * state["num_heads"] * length * length * query.element_size() <= largest:
+        return "stock kernel", ""
+    return "plain", ""
+
+
+def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool) -> str:
+    """The first reason a call can take no path but slim's own, or ``""``."""
+    state, parameters = module.__dict__, module._parameters
+    if state.get("check_equivariance") or _equivariance.SWITCH.active or (need_weights and module.skip_unread_weights):
+        return "slim's own options (the equivariance check, skip_unread_weights)"
+    if parameters.get("bias_k") is not None or parameters.get("bias_v") is not None or state["add_zero_attn"]:
+        return "appended tokens, where the key bias matters"
+    out_parameters = module._modules["out_proj"]._parameters
+    weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
+    out_weight, out_bias = out_parameters.get("weight"), out_parameters.get("bias")
+    if bias is None or out_weight is None or out_bias is None or (weight is None and state["_qkv_same_embed_dim"]):
+        return "no input or output bias, or a parametrized projection"
+    if state.get(FOLDED_VALUE_BIAS):
+        return "a folded value bias, which refuses rows masked from every key"
+    if type(query) is not Tensor or is_symbolic_call(query):
+        return "a trace, transform, fake tensor or tensor subclass"
+    if query.dim() != 3 or query.numel() == 0 or query.shape[2] != state["embed_dim"]:
+        return "an unbatched or empty input, or one of another width (stock's error)"
+    if not (query.is_cpu or query.is_cuda):
+        return "a device other than cpu and cuda"
+    dtype = query.dtype
+    if bias.dtype != dtype or out_weight.dtype != dtype or out_bias.dtype != dtype or (weight is not None and weight.dtype != dtype):
+        return "parameters of another dtype than the query"
+    if torch.overrides.has_torch_function((bias, out_weight, out_bias)):
+        return "tensor subclasses among the parameters"
+    if blocks_forced():
+        return "weights forced into blocks"
+    return ""

@@ -1,0 +1,133 @@
+"""``choose_path``, the one owner of the path a call takes, over a table of calls; and parity by
+construction: where slim runs stock's own kernel, the profiler sees the same op as for stock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _reference import (
+    STOCK_MHA,
+    assert_matches_stock,
+    assert_module_matches_stock,
+    float64_reference,
+    randomize_parameters,
+)
+from torch.profiler import ProfilerActivity, profile
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha._call import AttentionCall
+from slim_mha.paths import choose_path
+
+E, H = 16, 4
+
+
+def module(**options) -> SlimMultiheadAttention:
+    options = {"batch_first": True, **options}
+    heads = options.pop("heads", H)
+    return SlimMultiheadAttention(E, heads, **options).eval()
+
+
+def call(query, key=None, value=None, *, need_weights=True, **masks) -> AttentionCall:
+    key = query if key is None else key
+    value = key if value is None else value
+    return AttentionCall(query, key, value, masks.get("key_padding_mask"), need_weights, masks.get("attn_mask"), True,
+                         masks.get("is_causal", False))
+
+
+SMALL = torch.randn(2, 6, E)
+LARGE = torch.randn(8, 200, E)  # 8·4·200·200 scores: above what stock's Python path is kept for
+OTHER = torch.randn(2, 9, E)
+PADDING = torch.zeros(2, 6, dtype=torch.bool)
+
+TABLE = [
+    # (what, module options, the call, grad, autocast, the path)
+    ("stock's default call", {}, call(SMALL), False, False, "stock kernel"),
+    ("stock's default call, sequence-first", {"batch_first": False}, call(SMALL.transpose(0, 1)), False, False,
+     "stock kernel"),
+    ("small, without weights (fp32)", {}, call(SMALL, need_weights=False), False, False, "stock kernel"),
+    ("large, without weights", {}, call(LARGE, need_weights=False), False, False, "plain"),
+    ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "plain"),
+    ("small cross-attention with weights", {}, call(SMALL, OTHER), False, False, "slim"),
+    ("small, with weights, training with a graph", {}, call(SMALL), True, False, "slim"),
+    ("under autocast", {}, call(SMALL, OTHER, need_weights=False), False, True, "stock python"),
+    ("large cross-attention with weights", {}, call(LARGE, torch.randn(8, 200, E)), False, False, "slim"),
+    ("self-attention with a padding mask, eval (stock: its kernel)", {}, call(SMALL, key_padding_mask=PADDING),
+     False, False, "slim"),
+    ("large, without weights, with a graph", {}, call(LARGE, need_weights=False), True, False, "slim"),
+    ("appended tokens", {"add_bias_kv": True}, call(SMALL), False, False, "slim"),
+    ("the equivariance check", {"check_equivariance": True}, call(SMALL), False, False, "slim"),
+    ("an unbatched input", {}, call(SMALL[0]), False, False, "slim"),
+    ("nested tensors", {}, call(torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)])), False, False,
+     "nested"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("what,options,the_call,grad,autocast,path", TABLE, ids=[row[0] for row in TABLE])
+def test_the_path_each_call_takes(what, options, the_call, grad, autocast, path):
+    attention = module(**options)
+    if grad:
+        attention.train()
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        chosen, why = choose_path(attention, the_call)
+    assert chosen == path, why
+    assert (why == "") == (path != "slim"), why  # slim's own path names why no shorter one applies
+
+
+@pytest.mark.parametrize("case", ["cross", "training", "self", "masked, sequence-first", "dropout"])
+def test_autocast_takes_stocks_python_path_with_the_key_slot_left_out(case):
+    """Under autocast: outputs and weights as stock's against a float64 run (bf16 rounds stock's added
+    q·b_k, so neither is exact), the same dropout draws, no gradient into the key slot, and whatever
+    the slot holds, the output is finite."""
+    batch_first = case != "masked, sequence-first"
+    dropout = 0.3 if case == "dropout" else 0.0
+    stock = randomize_parameters(STOCK_MHA(E, H, batch_first=batch_first, dropout=dropout))
+    slim = SlimMultiheadAttention(E, H, batch_first=batch_first, dropout=dropout)
+    slim.load_state_dict(stock.state_dict())
+    train = case in ("training", "dropout")
+    stock.train(train), slim.train(train)
+    query = SMALL if batch_first else SMALL.transpose(0, 1)
+    key = query if case == "self" else OTHER if batch_first else OTHER.transpose(0, 1)
+    masks = {"key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)} if case.startswith("masked") else {}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with autocast:
+        assert choose_path(slim, call(query, key, **masks))[0] == "stock python"
+        if case == "dropout":  # stock's draws, with the same seed: the same rows dropped
+            torch.manual_seed(3)
+            expected = stock(query, key, key, average_attn_weights=False)[1]
+            torch.manual_seed(3)
+            actual = slim(query, key, key, average_attn_weights=False)[1]
+            assert (expected == 0).any() and torch.equal(actual == 0, expected == 0)  # per head: the dropped ones
+            return
+        expected, actual = stock(query, key, key, **masks), slim(query, key, key, **masks)
+    with torch.no_grad():
+        reference = float64_reference(stock, query, key, key, **masks)
+    for a, e, r in zip(actual, expected, reference):
+        assert_matches_stock(a, e, r)
+    if train:
+        with autocast:
+            out, weights = slim(query, key, key)
+        (out.float().sum() + weights.float().sum()).backward()
+        assert torch.equal(slim.in_proj_bias.grad[E : 2 * E], torch.zeros(E))
+    with torch.no_grad():
+        slim.in_proj_bias[E : 2 * E] = float("nan")
+        with autocast:
+            assert torch.isfinite(slim(query, key, key, **masks)[0]).all()
+
+
+def _aten_ops(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        fn()
+    return {event.name for event in profiler.events()}
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_stocks_default_call_runs_stocks_native_kernel_for_slim_too(need_weights):
+    """Parity by construction: the profiler sees ``aten::_native_multi_head_attention`` in both calls."""
+    stock = randomize_parameters(STOCK_MHA(E, H, batch_first=True)).eval()
+    slim = SlimMultiheadAttention(E, H, batch_first=True).eval()
+    slim.load_state_dict(stock.state_dict())
+    with torch.inference_mode():
+        for attention in (stock, slim):
+            ops = _aten_ops(lambda attention=attention: attention(SMALL, SMALL, SMALL, need_weights=need_weights))
+            assert "aten::_native_multi_head_attention" in ops, sorted(ops)
