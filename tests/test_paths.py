@@ -49,7 +49,9 @@ TABLE = [
     ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "plain"),
     ("small cross-attention with weights", {}, call(SMALL, OTHER), False, False, "slim"),
     ("small, with weights, training with a graph", {}, call(SMALL), True, False, "slim"),
-    ("under autocast", {}, call(SMALL, OTHER, need_weights=False), False, True, "stock python"),
+    ("under autocast, cross-attention", {}, call(SMALL, OTHER, need_weights=False), False, True, "stock python"),
+    ("under autocast on the CPU, stock's default call (stock: its fp32 kernel)", {}, call(LARGE, need_weights=False), False, True,
+     "stock kernel"),
     ("large cross-attention with weights", {}, call(LARGE, torch.randn(8, 200, E)), False, False, "slim"),
     ("self-attention with a padding mask, eval (stock: its kernel)", {}, call(SMALL, key_padding_mask=PADDING),
      False, False, "slim"),
@@ -121,13 +123,15 @@ def _aten_ops(fn) -> set[str]:
     return {event.name for event in profiler.events()}
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_stocks_default_call_runs_stocks_native_kernel_for_slim_too(need_weights):
-    """Parity by construction: the profiler sees ``aten::_native_multi_head_attention`` in both calls."""
+def test_stocks_default_call_runs_stocks_native_kernel_for_slim_too(need_weights, autocast):
+    """Parity by construction: the profiler sees ``aten::_native_multi_head_attention`` in both calls,
+    under CPU autocast too (stock's fast-path test reads CUDA's autocast alone)."""
     stock = randomize_parameters(STOCK_MHA(E, H, batch_first=True)).eval()
     slim = SlimMultiheadAttention(E, H, batch_first=True).eval()
     slim.load_state_dict(stock.state_dict())
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         for attention in (stock, slim):
             ops = _aten_ops(lambda attention=attention: attention(SMALL, SMALL, SMALL, need_weights=need_weights))
             assert "aten::_native_multi_head_attention" in ops, sorted(ops)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = [
+    "AUTOCAST",
     "Case",
     "DTYPES",
     "MODES",
@@ -17,7 +18,10 @@ __all__ = [
     "parse_shape",
 ]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The modules' dtype per --dtype name. "bf16-autocast": fp32 modules and inputs, each call under
+# torch.autocast(bfloat16), as mixed-precision training and inference run them.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-autocast": torch.float32}
+AUTOCAST = {"bf16-autocast": torch.bfloat16}
 
 # inference: eval() and torch.inference_mode(), so stock takes its native fast path where eligible.
 # train: train() forward + backward. train-equivariance: the same with slim's check switched on.

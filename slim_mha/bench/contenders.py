@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import SlimMultiheadAttention
-from .cases import DTYPES, Case
+from .cases import AUTOCAST, DTYPES, Case
 
 __all__ = [
     "CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "fast_path_enabled",
@@ -54,6 +55,8 @@ class Contender:
     reset: Callable[[], None]
     # Tensors that belong to the caller (inputs) rather than to the step's own activations.
     external: list[Tensor] = field(default_factory=list)
+    # The floor's computation: the fastest bare one torch offers for the case (see _fastest_floor).
+    kind: str = ""
 
 
 @contextlib.contextmanager
@@ -215,9 +218,30 @@ def build_contenders(
         module = stock if name == "stock" else slim
         return lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)
 
+    if case.dtype in AUTOCAST:  # fp32 modules, each call under autocast
+        plain_forward_of = forward_of
+
+        def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
+            forward = plain_forward_of(name)
+
+            def autocast_forward() -> tuple[Tensor, Tensor | None]:
+                with torch.autocast(device.type, dtype=AUTOCAST[case.dtype]):
+                    return forward()
+
+            return autocast_forward
+
+    floors = {"sdpa" if not case.need_weights else "explicit product": forward_of("floor")}
+    if case.mode == "inference" and memory is None and masks == "none" and case.dtype not in AUTOCAST \
+            and case.num_heads % 2 == 0:
+        # Stock's native kernel, where stock's fast path would run it: bare, on the floor's parameters.
+        floors["stock's native kernel"] = lambda: torch._native_multi_head_attention(
+            query, query, query, width, case.num_heads, *floor_parameters, None, case.need_weights, True
+        )
+    floor_kind = _fastest_floor(floors)
+
     contenders = {}
     for name in CONTENDERS:
-        forward = forward_of(name)
+        forward = floors[floor_kind] if name == "floor" else forward_of(name)
         parameters = floor_parameters if name == "floor" else list((stock if name == "stock" else slim).parameters())
         contenders[name] = Contender(
             name=name,
@@ -226,8 +250,28 @@ def build_contenders(
             parameters=parameters,
             reset=_clear_grads(parameters + inputs) if case.trains else (lambda: None),
             external=inputs + [grad_out],
+            kind=floor_kind if name == "floor" else "",
         )
     return contenders
+
+
+def _fastest_floor(floors: dict[str, Callable[[], tuple[Tensor, Tensor | None]]], calls: int = 5) -> str:
+    """The fastest of the bare computations, by the best of a few untimed-elsewhere inference calls:
+    in bf16 on the CPU stock's native kernel beats SDPA, in fp32 it does not, and a floor that is not
+    the fastest would flatter whatever is measured against it."""
+    if len(floors) == 1:
+        return next(iter(floors))
+    best = {}
+    with torch.inference_mode():
+        for name, forward in floors.items():
+            forward()  # warm
+            times = []
+            for _ in range(calls):
+                began = time.perf_counter()
+                forward()
+                times.append(time.perf_counter() - began)
+            best[name] = min(times)
+    return min(best, key=best.get)
 
 
 def _inference_step(forward: Callable[[], tuple[Tensor, Tensor | None]]) -> Callable[[], None]:
@@ -241,7 +285,7 @@ def _inference_step(forward: Callable[[], tuple[Tensor, Tensor | None]]) -> Call
 def _training_step(forward: Callable[[], tuple[Tensor, Tensor | None]], grad_out: Tensor) -> Callable[[], None]:
     def step() -> None:
         out, _ = forward()
-        out.backward(grad_out)
+        out.backward(grad_out.to(out.dtype))  # autocast's output is bf16: the gradient follows it
 
     return step
 

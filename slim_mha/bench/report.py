@@ -135,8 +135,9 @@ def format_table(results: list[dict]) -> str:
         "w: need_weights=True; train+eq: train-equivariance (slim with its equivariance check on).\n"
         "Allocator warm (buffers reused, no page faulted per call). ms: medians. stock/slim: the ratio of\n"
         "those medians, above 1 slim is faster. paired: the median over repeats of stock/slim within one\n"
-        "repeat (the two ran back to back, so bursts of load cancel). slim/floor: slim over the bare\n"
-        "matmul + attention + matmul. faults: minor page faults per call of stock/slim with the allocator\n"
+        "repeat (the two ran back to back, so bursts of load cancel). slim/floor: slim over the fastest\n"
+        "bare computation (matmuls around SDPA or the explicit product, or stock's native kernel: the\n"
+        "JSON's floor_kind). faults: minor page faults per call of stock/slim with the allocator\n"
         "cold (every call maps its memory anew); cold times are in the markdown. peak MiB: stock/slim."
     )
     if not all(result["agrees"] for result in results):

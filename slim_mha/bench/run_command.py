@@ -68,7 +68,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="which device's default matrix to build (default: the device's)",
     )
     parser.add_argument(
-        "--dtype", type=_csv(str), help="comma list of fp32, bf16, fp16 (default: fp32 on CPU, bf16,fp16 on CUDA)"
+        "--dtype", type=_csv(str), help="comma list of fp32, bf16, fp16, bf16-autocast (fp32 modules under autocast; default: fp32 on CPU, bf16,fp16 on CUDA)"
     )
     parser.add_argument(
         "--shape", action="append", metavar="BxLxExH", help="batch x seq_len x embed_dim x heads; repeatable"
