@@ -15,7 +15,8 @@ What is read (SRC, never modified):
   ``torch.load(weights_only=True)``, so a pickle that needs anything but tensors is refused unread;
 - a sharded checkpoint's index, ``model.safetensors.index.json``, ``pytorch_model.bin.index.json`` or
   any other ``*.index.json``, with its shards (``.safetensors`` or torch files, as above) beside it;
-- a folder holding one of those two indexes, or one ``model.safetensors`` or ``pytorch_model.bin``.
+- a folder holding one of those two indexes, or exactly one weight file (``model.safetensors``,
+  ``pytorch_model.bin``, or another name).
 
 What is written (DST) is always safetensors: a ``.safetensors`` file for a file SRC. For an index or a
 folder, DST is a folder: each shard is written as ``.safetensors`` under its Hugging Face name
@@ -62,9 +63,12 @@ __all__ = [
     "ModuleReport",
     "format_report",
     "fold_checkpoint",
+    "fold_state_dict",
     "inspect_checkpoint",
     "strip_checkpoint",
+    "strip_state_dict",
     "to_stock_checkpoint",
+    "to_stock_state_dict",
 ]
 
 PathLike = str | os.PathLike
@@ -92,8 +96,8 @@ def strip_checkpoint(
     follow_outside_links: bool = False,
     allow_expand: bool = False,
 ) -> MigrationReport:
-    """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): the smallest file, which only
-    slim_mha loads. Refuses where dropping the key bias is not exact.
+    """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): ``E`` fewer values per
+    attention module, which only slim_mha loads. Refuses where dropping the key bias is not exact.
 
     Dropping ``b_k`` is exact unless the module appends tokens after the projection: with ``bias_k``
     (``add_bias_kv``) or a module marked in ``zero_attn`` it refuses, pointing to :func:`fold`.
@@ -205,3 +209,32 @@ def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> Mi
     from ._migrate import inspect_source
 
     return inspect_source(source, zero_attn=zero_attn)
+
+
+def fold_state_dict(
+    state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False
+) -> dict:
+    """:func:`fold_checkpoint` on a state dict in memory (``model.state_dict()``): a new dict in
+    stock's layout with every key slot zeroed, which stock and slim both load. The input is never
+    modified; the tensors this leaves alone are the input's own objects.
+    """
+    from ._state_dict import migrate_state_dict
+
+    return migrate_state_dict(state_dict, "fold", zero_attn=zero_attn, fold_value_bias=fold_value_bias)
+
+
+def strip_state_dict(
+    state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False
+) -> dict:
+    """:func:`strip_checkpoint` on a state dict in memory: a new dict in the key-bias-free layout,
+    which slim's ``load_state_dict`` reads."""
+    from ._state_dict import migrate_state_dict
+
+    return migrate_state_dict(state_dict, "strip", zero_attn=zero_attn, fold_value_bias=fold_value_bias)
+
+
+def to_stock_state_dict(state_dict, *, zero_attn: Iterable[str] = ()) -> dict:
+    """:func:`to_stock_checkpoint` on a state dict in memory: a new dict in stock's layout."""
+    from ._state_dict import migrate_state_dict
+
+    return migrate_state_dict(state_dict, "to-stock", zero_attn=zero_attn)

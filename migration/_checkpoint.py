@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ._inputs import InputProblem, OpenedFile, open_input
-from ._text import shown
+from ._text import shown, with_article
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -255,16 +255,11 @@ def _open_layout(source: Path, opener: _Opener) -> Checkpoint:
     folder = source if source.is_dir() else source.parent
     root = Path(os.path.realpath(folder))  # every file read must lie in it (see _inputs)
     if kind == "directory":
-        single = next((source / name for name in (SINGLE_NAME, TORCH_SINGLE_NAME) if _present(source / name)), None)
-        if single is None:
-            raise ValueError(
-                f"{shown(source)}: directory has none of {INDEX_NAME}, {SINGLE_NAME}, {TORCH_INDEX_NAME} or "
-                f"{TORCH_SINGLE_NAME}; pass the checkpoint file or its index instead"
-            )
+        single = lone_checkpoint_file(source)
         opened = opener.open(single, root, "replace it with the checkpoint file")
-        if single.name == SINGLE_NAME:
-            return Checkpoint(source, kind, [_open_safetensors(opened, SINGLE_NAME)])
-        shard, notes = _open_torch(opened, SINGLE_NAME)
+        if single.name.endswith(".safetensors"):
+            return Checkpoint(source, kind, [_open_safetensors(opened, single.name)])
+        shard, notes = _open_torch(opened, output_name(single.name))
         return Checkpoint(source, kind, [shard], notes=notes)
     if source.is_dir():
         index_path = next(source / name for name in (INDEX_NAME, TORCH_INDEX_NAME) if _present(source / name))
@@ -273,6 +268,27 @@ def _open_layout(source: Path, opener: _Opener) -> Checkpoint:
         index_path = source
         index = opener.open(index_path, None, "pass the index file itself")
     return _open_sharded(source, index, root, opener)
+
+
+def lone_checkpoint_file(folder: Path) -> Path:
+    """The one weight file of a folder without an index: Hugging Face's names first, else the only
+    ``.safetensors`` or torch file it holds, under any name. Refuses none or several, naming them."""
+    for name in (SINGLE_NAME, TORCH_SINGLE_NAME):
+        if _present(folder / name):
+            return folder / name
+    found = sorted(
+        name for name in os.listdir(folder)
+        if name.endswith((".safetensors", *TORCH_SUFFIXES)) and not os.path.isdir(folder / name)
+    )
+    if len(found) == 1:
+        return folder / found[0]
+    held = f"holds {len(found)} weight files ({', '.join(shown(name) for name in found[:4])})" if found else (
+        "holds no weight file (.safetensors, .pt, .pth, .bin, .ckpt)"
+    )
+    raise ValueError(
+        f"{shown(folder)}: directory has no index ({INDEX_NAME} or {TORCH_INDEX_NAME}) and {held}; pass the "
+        "checkpoint file or its index instead"
+    )
 
 
 def output_name(name: str) -> str:
@@ -451,7 +467,7 @@ def _open_torch(opened: OpenedFile, name: str) -> tuple[Shard, tuple[str, ...]]:
         _check_key(path, key)
         if not isinstance(value, Tensor):
             raise ValueError(
-                f"{shown(path)}: '{shown(key)}' holds a {type(value).__name__}, not a tensor; safetensors stores "
+                f"{shown(path)}: '{shown(key)}' holds {with_article(type(value).__name__)}, not a tensor; safetensors stores "
                 "tensors only: save model.state_dict() alone"
             )
         if value.layout != torch.strided or value.is_quantized or value.dtype not in DTYPE_NAMES:
@@ -574,7 +590,7 @@ def _unwrap_state_dict(path: Path, loaded: object) -> tuple[Mapping, tuple[str, 
                 return inner, notes
         return loaded, notes
     raise ValueError(
-        f"{shown(path)}: holds a {type(loaded).__name__}, not a state dict; expected a dict of tensors, "
+        f"{shown(path)}: holds {with_article(type(loaded).__name__)}, not a state dict; expected a dict of tensors, "
         "or one under 'state_dict' or 'model'"
     )
 

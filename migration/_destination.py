@@ -57,7 +57,7 @@ class Companion:
     mode: int = 0o644  # its permission bits, which the copy gets
 
 
-def check_destination(source: Path, kind: str, destination: Path, *, force: bool) -> None:
+def check_destination(source: Path, kind: str, destination: Path, *, force: bool, dry_run: bool = False) -> None:
     """The checks that need only paths, before anything is read."""
     writes_directory = kind in ("directory", "sharded")
     if writes_directory and destination.name.endswith((".safetensors", ".json")):
@@ -69,17 +69,22 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
         raise ValueError(
             f"{shown(destination)}: the output is one safetensors file, so DST must end in .safetensors"
         )
-    if not destination.parent.resolve().is_dir():
+    if not destination.parent.resolve().is_dir() and not dry_run:
         raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
     source_root = Path(os.path.realpath(source))
     if writes_directory and not source.is_dir():
         source_root = source_root.parent  # an index file: its shards sit beside it
     target = Path(os.path.realpath(destination))
     source_identity = identity(source_root)
-    if target == source_root or (writes_directory and target in source_root.parents) or (
-        writes_directory and identity(target) is not None and identity(target) in _ancestry(source_root)
-    ):
+    if target == source_root:
         raise ValueError(f"{shown(destination)}: DST would overwrite the input {shown(source)}; write to another path")
+    if writes_directory and (
+        target in source_root.parents or (identity(target) is not None and identity(target) in _ancestry(source_root))
+    ):
+        raise ValueError(
+            f"{shown(destination)}: DST holds the input {shown(source)}, and the output folder replaces DST as a "
+            f"whole; write to a new folder, such as {shown(destination / (source_root.name + '.slim'))}"
+        )
     if writes_directory and (source_root in target.parents or source_identity in _ancestry(target.parent)):
         raise ValueError(
             f"{shown(destination)}: DST is inside SRC {shown(source)}, which is never modified; write outside it"

@@ -28,7 +28,16 @@ from tqdm import tqdm
 
 from slim_mha.bias import FORMAT_VERSION
 
-from ._checkpoint import DTYPE_NAMES, FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, Checkpoint, open_checkpoint, source_kind
+from ._checkpoint import (
+    DTYPE_NAMES,
+    FLOAT_DTYPES,
+    INDEX_NAME,
+    SINGLE_NAME,
+    Checkpoint,
+    open_checkpoint,
+    output_name,
+    source_kind,
+)
 from ._destination import (
     COMPANIONS_KEY,
     Companion,
@@ -43,9 +52,9 @@ from ._destination import (
 )
 from ._inputs import open_input
 from ._staging import Staging, pause_for_tests, remove_litter, sync_files
-from ._text import option, shown
+from ._text import option, plural, shown
 from ._modules import AttentionGroup, find_attention_modules
-from ._plan import MODES, ModulePlan, migrated_tensors, plan_module
+from ._plan import MODES, ModulePlan, already_folded, migrated_tensors, plan_module
 from ._verify import check_module_error, check_written_file, check_written_text, module_output_error, tolerance_for
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import MigrationReport, ModuleReport, format_size
@@ -96,11 +105,13 @@ def migrate(
     if not source.exists():
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
-    if not destination.parent.resolve().is_dir():
+    if kind in ("file", "torch") and destination.is_dir():  # as cp does: into the folder, under SRC's name
+        destination = destination / output_name(source.name)
+    if not destination.parent.resolve().is_dir() and not dry_run:
         raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
     # Before the checks: litter may hold the previous DST, moved aside by a run killed mid-replace.
     notes = () if dry_run else remove_litter(destination)
-    check_destination(source, kind, destination, force=force)
+    check_destination(source, kind, destination, force=force, dry_run=dry_run)
 
     with open_checkpoint(source, follow_outside_links=follow_outside_links) as checkpoint:
         return _migrate_opened(
@@ -138,6 +149,8 @@ def _migrate_opened(
             f"{shown(source)}: {mode} cannot convert '{shown(first.group.name)}'{others} exactly: "
             f"{first.refusal}; nothing was written"
         )
+    readers = {plan.group.prefix: _reader(plan.group) for plan in plans}  # each tensor read once in the run
+    plans = [already_folded(plan, readers[plan.group.prefix]) for plan in plans]
     if not any(plan.changes for plan in plans):
         raise ValueError(f"{shown(source)}: nothing to do: {_unchanged(plans)}; nothing was written")
 
@@ -145,7 +158,7 @@ def _migrate_opened(
     modules = []
     for plan in plans:
         group = plan.group
-        read = _reader(group)  # one module at a time: each of its tensors is read at most once
+        read = readers.pop(group.prefix)  # one module at a time: each of its tensors is read at most once
         tensors = migrated_tensors(plan, read) if plan.changes else {}
         error = _verify_module(plan, tensors, read) if verify and plan.changes else None
         rewritten[group.prefix] = tensors
@@ -163,7 +176,7 @@ def _migrate_opened(
     found, skipped = find_companions(checkpoint, follow_outside_links=follow_outside_links)
     copied = found if companions else []
     if found and not companions:
-        skipped = [f"did not copy {len(found)} companion files ({option('no_companions')})"]
+        skipped = [f"did not copy {plural(len(found), 'companion file')} ({option('no_companions')})"]
     writes = {name for name, _ in outputs} | ({checkpoint.index_name} if checkpoint.kind == "sharded" else set())
     writes |= {companion.name for companion in copied}
     reads = input_files(checkpoint, found)
@@ -190,6 +203,8 @@ def _migrate_opened(
         output_bytes = sum(written.values())  # what is on disk, which the plan predicted
     else:
         checkpoint.check_unchanged()  # what the dry run planned and verified is what SRC holds
+        if not destination.parent.resolve().is_dir():
+            notes += (f"{shown(destination.parent)} does not exist yet: create it before the real run",)
     assumed = tuple(
         module.name for module in modules if module.changed and module.zero_attn is None
     ) if verify else ()
@@ -224,7 +239,10 @@ def _check_expansion(checkpoint: Checkpoint) -> None:
 
 def _check_free_space(destination: Path, needed: int) -> None:
     """Refuse before writing when the output cannot fit: a full disk found halfway costs the time."""
-    free = shutil.disk_usage(destination.parent).free
+    folder = destination.parent
+    while not folder.exists() and folder != folder.parent:  # a dry run may plan into a folder not made yet
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
     if needed > free:
         error = OSError(
             f"{shown(destination)}: the output needs {format_size(needed)} but its file system has "
@@ -330,6 +348,7 @@ def _unchanged(plans: list[ModulePlan]) -> str:
     state = "stock" if plans[0].mode == "to-stock" else "slim"
     # The words in a plan's action that give its reason, and the reason for one module and for several.
     reasons = {
+        "already zero": ("has its key slot at zero already", "have their key slots at zero already"),
         "already": (f"is already in the {state} layout", f"are already in the {state} layout"),
         "add_zero_attn": ("keeps its key bias (add_zero_attn)", "keep their key bias (add_zero_attn)"),
         "no input bias": ("has no input biases (bias=False)", "have no input biases (bias=False)"),

@@ -121,6 +121,21 @@ def _plan_fold(group: AttentionGroup, zero_attn: bool, fold_value: bool) -> Modu
     return _with_value_fold(group, "fold", zero_attn, fold_value, actions, set(), placed)
 
 
+def already_folded(plan: ModulePlan, read: Callable[[str], Tensor]) -> ModulePlan:
+    """``fold``'s plan for a module whose key slot is already zero: nothing to do, as ``strip`` and
+    ``to-stock`` say for a module already in their layout (the data decides, so it is read here)."""
+    group = plan.group
+    if (
+        plan.mode != "fold" or plan.fold_value or plan.removed or not plan.placed
+        or set(plan.placed) - {"in_proj_bias", "bias_k"} or "in_proj_bias" not in group
+    ):
+        return plan
+    key_slot = read("in_proj_bias")[group.embed_dim : 2 * group.embed_dim]
+    if bool(key_slot.any()):
+        return plan
+    return replace(plan, action="nothing to do (the key slot is already zero)", placed={})
+
+
 def _with_value_fold(
     group: AttentionGroup, mode: str, zero_attn: bool, fold_value: bool, actions: list[str], removed: set[str],
     placed: dict[str, str],

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["cli_spelling", "option", "shown"]
+__all__ = ["cli_spelling", "option", "plural", "shown", "with_article"]
 
 
 def shown(name: str | os.PathLike) -> str:
@@ -47,3 +47,13 @@ def cli_spelling() -> Iterator[None]:
         yield
     finally:
         _CLI_SPELLING.reset(token)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 companion file``, ``2 companion files``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def with_article(noun: str) -> str:
+    """``a float``, ``an int``: the indefinite article a word takes by its first letter."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"

@@ -8,7 +8,8 @@ itself lays them out, so each starts aligned to its own element size.
 Only the few rewritten biases are ever held in memory, so memory stays flat whatever the shard size.
 Unchanged tensors that sit back to back in the source are copied as one run, in the kernel
 (``copy_file_range``) when source and destination offsets agree within a page, otherwise through a
-1 MiB buffer; the header padding is chosen so that most copied bytes agree.
+1 MiB buffer; the header padding is chosen so that most copied bytes agree, where that padding is at
+most a thousandth of them (a small file is not grown by up to a page for it).
 
 Sources are read through the descriptors the run opened (see ``._inputs``), never by path again.
 
@@ -166,6 +167,9 @@ def _runs(ordered: list[OutputTensor], offsets: list[int]) -> list[_Run]:
     return runs
 
 
+_PADDING_RATIO = 1000
+
+
 def _data_start(minimum: int, ordered: list[OutputTensor], offsets: list[int]) -> int:
     """Where the data starts: at least ``minimum``, a multiple of 8, and chosen so that as many copied
     bytes as possible keep their offset within a page, which lets the kernel copy them page by page
@@ -180,7 +184,10 @@ def _data_start(minimum: int, ordered: list[OutputTensor], offsets: list[int]) -
     if not candidates:
         return aligned
     best = max(candidates, key=lambda shift: by_shift[shift])
-    return aligned + (best - aligned) % _PAGE
+    padding = (best - aligned) % _PAGE
+    # Padding only where it pays: at most a thousandth of the bytes it lets the kernel copy. A small
+    # file gets the 8-byte alignment the format needs and nothing more (it would grow by up to 4 KiB).
+    return aligned + padding if padding * _PADDING_RATIO <= by_shift[best] else aligned
 
 
 def _write_at(descriptor: int, data, offset: int) -> None:

@@ -12,6 +12,7 @@ disk at that moment: nothing new, or DST written completely (see ``_staging.Jour
 from __future__ import annotations
 
 import argparse
+import difflib
 import contextlib
 import os
 import signal
@@ -37,7 +38,7 @@ SRC, which is read and never modified, is one of:
     (older weights-only unpicklers can be made to run code), else save the weights as safetensors;
   - a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json or any
     other *.index.json), whose shards, .safetensors or torch files as above, sit beside it;
-  - a folder holding one of those two indexes, or one model.safetensors or pytorch_model.bin.
+  - a folder holding one of those two indexes, or exactly one weight file under any name.
 
 DST is always safetensors: a .safetensors file for a file SRC. For an index or a folder, DST is a
 folder: each shard is written as .safetensors under its Hugging Face name (pytorch_model.bin becomes
@@ -49,10 +50,10 @@ or not at all, with the permission bits of its source (as cp -p), and never insi
 
 _SUBCOMMANDS = {
     "strip": (
-        "the smallest file, for slim only: drop the key bias (refuses modules with bias_k or add_zero_attn)",
+        "a file without the key bias, for slim only (refuses modules with bias_k or add_zero_attn)",
         """\
 Write the key-bias-free layout: in_proj_bias becomes q_proj_bias and v_proj_bias, and the key bias
-leaves the file. Use it for the smallest file when only slim_mha will load it; stock
+leaves the file. Use it for a file without the key bias when only slim_mha will load it; stock
 nn.MultiheadAttention cannot (to-stock converts it back). Exact unless tokens are appended after the
 projection: modules with bias_k, or marked --zero-attn, are refused with a pointer to `fold`.""",
         """\
@@ -102,6 +103,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{strip,fold,to-stock,inspect}")
     for name, (summary, description, examples) in _SUBCOMMANDS.items():
         sub = subparsers.add_parser(
@@ -183,6 +185,24 @@ def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    from slim_mha import __version__  # the package's own module: no torch import
+
+    return __version__
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse; an unknown option after a subcommand gets that subcommand's usage, and the closest option."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub: argparse.ArgumentParser = args.parser
+        options = [option for action in sub._actions for option in action.option_strings]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage) or 128 + N (signal N) and one
     line on stderr.
@@ -195,7 +215,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     # guard below, so a Ctrl-C while it loads is one line too, not a traceback from the import.
     with _Interrupts(until_exit=argv is None) as interrupts, cli_spelling(), journal() as record:
         try:
-            args = build_parser(prog).parse_args(argv)
+            args = _parse(build_parser(prog), argv)
         except KeyboardInterrupt:
             interrupts.armed = False
             sys.stderr.write(f"{prog}: {_interrupted(record)}\n")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._text import option, shown
+from ._text import option, plural, shown
 
 __all__ = ["ModuleReport", "MigrationReport", "format_report", "format_size"]
 
@@ -91,7 +91,7 @@ def _format_inspect(report: MigrationReport) -> list[str]:
     count = len(report.modules)
     lines = [
         f"{report.source}: {count} attention module{'s' if count != 1 else ''}; "
-        f"{_plural(len(report.shards), 'shard')}, {_plural(report.tensors, 'tensor')}, {format_size(report.total_bytes)}"
+        f"{plural(len(report.shards), 'shard')}, {plural(report.tensors, 'tensor')}, {format_size(report.total_bytes)}"
     ]
     if report.metadata:
         lines.append("metadata: " + ", ".join(f"{key}={value}" for key, value in sorted(report.metadata.items())))
@@ -117,7 +117,7 @@ def _format_migration(report: MigrationReport) -> list[str]:
     count = len(report.modules)
     lines = [
         f"{report.mode} {report.source} -> {report.destination}: {len(report.changed)} of "
-        f"{_plural(count, 'attention module')} changed"
+        f"{plural(count, 'attention module')} changed"
     ]
     for module in report.modules:
         line = f"  {module.name}: {module.action}"
@@ -126,36 +126,32 @@ def _format_migration(report: MigrationReport) -> list[str]:
         lines.append(line)
     if report.verified:
         worst = max((m.verify_error for m in report.changed if m.verify_error is not None), default=0.0)
-        lines.append(f"verified {_plural(len(report.changed), 'module')}: largest relative output error {worst:.2g}")
+        lines.append(f"verified {plural(len(report.changed), 'module')}: largest relative output error {worst:.2g}")
         if report.files_read_back:
             lines.append(
-                f"verified {_plural(report.files_read_back, 'written file')} by reading "
+                f"verified {plural(report.files_read_back, 'written file')} by reading "
                 f"{'it' if report.files_read_back == 1 else 'them'} back: every tensor matches the source or its "
                 "conversion"
             )
         if report.assumed_no_zero_attn:
             count = len(report.assumed_no_zero_attn)
             lines.append(
-                f"verify assumed {_plural(count, 'module')} built without add_zero_attn, which a stock checkpoint "
+                f"verify assumed {plural(count, 'module')} built without add_zero_attn, which a stock checkpoint "
                 f"cannot record: if {'one was' if count > 1 else 'it was'} built with it, rerun with "
                 f"{option('zero_attn')} (see inspect)"
             )
     what = (
-        f"{_plural(len(report.shards), 'shard')}, {_plural(report.output_tensors or 0, 'tensor')}, "
+        f"{plural(len(report.shards), 'shard')}, {plural(report.output_tensors or 0, 'tensor')}, "
         f"{format_size(report.output_bytes or 0)}"
     )
     if report.companions:
         copied = "would copy" if report.dry_run else "copied"
-        lines.append(f"{copied} {_plural(len(report.companions), 'companion file')} unchanged: {', '.join(report.companions)}")
+        lines.append(f"{copied} {plural(len(report.companions), 'companion file')} unchanged: {', '.join(report.companions)}")
     if report.dry_run:
         lines.append(f"dry run: would write {report.destination} ({what}); nothing was written")
     elif report.written:
         lines.append(f"wrote {report.destination} ({what})")
     return lines
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _yes(flag: bool) -> str:

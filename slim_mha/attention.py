@@ -54,10 +54,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
       projection are not shifted by stock, so there the maths keeps ``b_k``: with ``add_bias_kv`` the
       appended key is ``bias_k - b_k``, with ``add_zero_attn`` the zero key is ``-b_k`` (see
       :mod:`slim_mha.bias`); ``b_k`` then trains as on stock.
-    * **One owner of the path.** :func:`slim_mha.paths.choose_path` picks stock's own code given
-      ``[b_q; 0; b_v]`` where that is the floor (its native kernel, its Python path under
-      autocast), else slim's lean path: one fused projection, heads as views in the caller's
-      layout, ``scaled_dot_product_attention`` whenever weights are not requested.
+    * **One owner of the path.** :func:`slim_mha.paths.choose_path` picks stock's native kernel
+      given ``[b_q; 0; b_v]`` where that is the floor, else slim's lean path: one fused projection,
+      heads as views in the caller's layout, ``scaled_dot_product_attention`` whenever weights are
+      not requested.
 
     New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
     and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
@@ -170,33 +170,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if weights is not None and average:
             weights = mean_over_heads(weights)
         return out, weights
-
-    def _stock_python(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        """Stock's own Python path (``F.multi_head_attention_forward``) on these parameters, given
-        ``[b_q; 0; b_v]``: stock's function, strides and random draws by construction, with the key
-        slot neither read nor trained. For calls where slim's own path measured slower."""
-        query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
-        batched = query.dim() == 3
-        if self.batch_first and batched:  # as stock's forward: keep `query is key` through the transposes
-            if query is key and key is value:
-                query = key = value = query.transpose(1, 0)
-            elif key is value:
-                query, key = (x.transpose(1, 0) for x in (query, key))
-                value = key
-            else:
-                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
-        separate = {} if self._qkv_same_embed_dim else {
-            "use_separate_proj_weight": True, "q_proj_weight": self.q_proj_weight,
-            "k_proj_weight": self.k_proj_weight, "v_proj_weight": self.v_proj_weight,
-        }
-        out, weights = F.multi_head_attention_forward(
-            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight,
-            without_key_bias_eager(self.in_proj_bias), None, None, False, self.dropout,
-            self.out_proj.weight, self.out_proj.bias, training=self.training, key_padding_mask=key_padding_mask,
-            need_weights=need_weights, attn_mask=attn_mask, average_attn_weights=average, is_causal=is_causal,
-            **separate,
-        )
-        return (out.transpose(1, 0) if self.batch_first and batched else out), weights
 
     def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with slim's own options around it: weights skipped where the caller
@@ -388,7 +361,6 @@ _RUNS = {
     "traced": "_traced",
     "nested": "_stock_forward",
     "stock kernel": "_stock_kernel",
-    "stock python": "_stock_python",
     "plain": "_attend_without_weights",
 }
 

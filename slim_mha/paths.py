@@ -37,12 +37,10 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
 
     * ``"traced"``: ``torch.fx`` symbolic tracing records the call, as it records stock's;
     * ``"nested"``: nested tensors, which only stock's native kernel takes;
-    * ``"stock python"``: under autocast, stock's Python path given ``[b_q; 0; b_v]``, wherever
-      stock runs its Python path there (everywhere on CUDA; on the CPU, whatever its fast path
-      refuses, since that test reads CUDA's autocast alone and runs its fp32 kernel on the CPU);
     * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
       masks or a graph where stock's fast path would run it: with weights always (it is the floor),
-      without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`);
+      without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
+      the CPU's autocast (where stock runs its fp32 kernel);
     * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
     * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
 
@@ -62,31 +60,28 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
         query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
         and state["_qkv_same_embed_dim"]
     )
-    # Under autocast stock runs its Python path, except that its fast-path test reads CUDA's autocast
-    # alone: on the CPU it still runs its (fp32) native kernel. Slim runs what stock runs.
+    # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its (fp32)
+    # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
+    # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
     autocast = torch.is_autocast_enabled(query.device.type)
-    if autocast and (query.is_cuda or not plain):
-        return "stock python", ""
     if not plain:
         return "slim", "masks or cross-attention"
+    if autocast and query.is_cuda:
+        return "slim", "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
     if torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in module.parameters())):
-        return ("stock python", "") if autocast else ("slim", "a graph is recorded")
+        return "slim", "a graph is recorded"
     if training and state["dropout"] > 0.0:
-        return ("stock python", "") if autocast else ("slim", "attention dropout")
+        return "slim", "attention dropout"
     kernel = not training and not state["num_heads"] % 2 and torch.backends.mha.get_fastpath_enabled()
     batch, length = query.shape[:2] if state["batch_first"] else (query.shape[1], query.shape[0])
     if need_weights:
         if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
             return "stock kernel", ""
-        if autocast:
-            return "stock python", ""
         return "slim", "weights stock's fast path would not compute, or too large to check"
     largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((query.device.type, query.dtype), -1)
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
-        return "stock kernel", ""
-    if autocast:
-        return "stock python", ""
+        return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
     return "plain", ""
 
 

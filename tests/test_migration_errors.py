@@ -9,6 +9,8 @@ import pickle
 import re
 
 import pytest
+
+import slim_mha.migration._writer as migration_writer
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -77,8 +79,9 @@ def test_unsupported_format(tmp_path):
 def test_directory_without_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     assert refusal(ValueError, inspect_checkpoint, tmp_path / "empty") == (
-        f"{tmp_path / 'empty'}: directory has none of model.safetensors.index.json, model.safetensors, "
-        "pytorch_model.bin.index.json or pytorch_model.bin; pass the checkpoint file or its index instead"
+        f"{tmp_path / 'empty'}: directory has no index (model.safetensors.index.json or "
+        "pytorch_model.bin.index.json) and holds no weight file (.safetensors, .pt, .pth, .bin, .ckpt); pass the "
+        "checkpoint file or its index instead"
     )
 
 
@@ -198,7 +201,7 @@ def test_torch_state_dict_with_a_non_tensor(tmp_path):
     path = tmp_path / "model.pt"
     torch.save({"attn.in_proj_weight": torch.zeros(3, 1), "step": 7}, path)
     assert refusal(ValueError, fold_checkpoint, path, tmp_path / "out.safetensors") == (
-        f"{path}: 'step' holds a int, not a tensor; safetensors stores tensors only: save model.state_dict() alone"
+        f"{path}: 'step' holds an int, not a tensor; safetensors stores tensors only: save model.state_dict() alone"
     )
 
 
@@ -347,7 +350,8 @@ def test_existing_output_directory_needs_force_and_only_holds_checkpoint_files(t
          "not a file name"),
         ("file", "stock.safetensors", "{dst}: DST would overwrite the input {src}; write to another path"),
         ("sharded", "ckpt", "{dst}: DST would overwrite the input {src}; write to another path"),
-        ("sharded", ".", "{dst}: DST would overwrite the input {src}; write to another path"),
+        ("sharded", ".", "{dst}: DST holds the input {src}, and the output folder replaces DST as a whole; write "
+         "to a new folder, such as {dst}/ckpt.slim"),
     ],
     ids=["file_suffix", "sharded_to_file", "same_file", "same_dir", "parent_dir"],
 )
@@ -367,11 +371,12 @@ def test_destination_folder_must_exist(tmp_path, stock_file):
     )
 
 
-def test_file_output_onto_a_directory_is_refused(tmp_path, stock_file):
+def test_file_output_onto_a_directory_goes_into_it_under_the_sources_name(tmp_path, stock_file):
+    """As cp does: a DST folder for a single-file SRC receives SRC's name (a torch file's as safetensors)."""
     (tmp_path / "out.safetensors").mkdir()
-    assert refusal(ValueError, fold_checkpoint, stock_file, tmp_path / "out.safetensors", force=True) == (
-        f"{tmp_path / 'out.safetensors'}: is a directory, but the output is one .safetensors file"
-    )
+    report = fold_checkpoint(stock_file, tmp_path / "out.safetensors")
+    assert os.listdir(tmp_path / "out.safetensors") == [stock_file.name]
+    assert report.destination == tmp_path / "out.safetensors" / stock_file.name
 
 
 # ---------------------------------------------------------------------------------- safety while writing
@@ -443,6 +448,7 @@ def test_copy_in_the_kernel_and_through_a_buffer_give_the_same_bytes(tmp_path, s
         return real_copy(*args, **kwargs)
 
     monkeypatch.setattr(os, "copy_file_range", spy)
+    monkeypatch.setattr(migration_writer, "_PADDING_RATIO", 0)  # pad to the page whatever the file's size
     fold_checkpoint(stock_file, tmp_path / "kernel.safetensors")
     assert kernel_calls  # the header padding makes the copied run page-congruent
 

@@ -338,7 +338,7 @@ def test_src_inside_dst_through_a_bind_mount_is_refused(tmp_path):
     model = _model(outer / "model")
     _bind(outer, tmp_path / "view")
     try:
-        assert "DST would overwrite the input" in refusal(ValueError, fold_checkpoint, model, tmp_path / "view",
+        assert "DST holds the input" in refusal(ValueError, fold_checkpoint, model, tmp_path / "view",
                                                           force=True)
     finally:
         subprocess.run(["umount", str(tmp_path / "view")], check=True)

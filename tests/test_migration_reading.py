@@ -3,6 +3,8 @@ special files, and messages that show file-supplied names escaped."""
 
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import pickle
@@ -163,10 +165,11 @@ def test_zero_attn_mark_survives_a_round_trip_api(tmp_path, zero_attn_stock):
     assert report.modules[0].fold == (
         "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"
     )
-    again = fold_checkpoint(tmp_path / "folded.safetensors", tmp_path / "again.safetensors", verify=True)
-    assert again.modules[0].zero_attn and not again.modules[0].changed
-    out = load_file(tmp_path / "again.safetensors")
-    assert torch.equal(out["attn.in_proj_bias"], stock.in_proj_bias.detach())
+    # Folding the folded file again has nothing to do, and says why: the mark was read back.
+    with pytest.raises(ValueError, match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)"):
+        fold_checkpoint(tmp_path / "folded.safetensors", tmp_path / "again.safetensors", verify=True)
+    assert not (tmp_path / "again.safetensors").exists()
+    assert torch.equal(load_file(tmp_path / "folded.safetensors")["attn.in_proj_bias"], stock.in_proj_bias.detach())
     with pytest.raises(ValueError, match="strip cannot convert 'attn' exactly: it is marked add_zero_attn"):
         strip_checkpoint(tmp_path / "folded.safetensors", tmp_path / "stripped.safetensors")
 
@@ -176,11 +179,10 @@ def test_zero_attn_mark_survives_a_round_trip_cli(tmp_path, zero_attn_stock, cap
     folded, again = tmp_path / "folded.safetensors", tmp_path / "again.safetensors"
     assert run_cli(["fold", source, folded, "--zero-attn", "attn", "--verify"], capsys)[0] == 0
     code, out, err = run_cli(["fold", folded, again, "--verify"], capsys)
-    assert (code, err) == (0, "")
-    assert out.splitlines()[2].startswith("  plain: zero the key slot of in_proj_bias [verified, error ")
+    assert code == 1 and re.search(r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)", err) and not again.exists()  # the same status as strip's
     code, out, _ = run_cli(["inspect", folded], capsys)
     assert any(line.startswith("attn: ") and line.endswith("add_zero_attn yes") for line in out.splitlines())
-    assert torch.equal(load_file(again)["attn.in_proj_bias"], stock.in_proj_bias.detach())
+    assert torch.equal(load_file(folded)["attn.in_proj_bias"], stock.in_proj_bias.detach())
 
 
 def test_sharded_round_trip_reads_the_mark_from_the_index_and_shards(tmp_path):
@@ -191,9 +193,11 @@ def test_sharded_round_trip_reads_the_mark_from_the_index_and_shards(tmp_path):
     fold_checkpoint(source, tmp_path / "folded", zero_attn=["dec.*"])
     index = json.loads((tmp_path / "folded" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["slim_mha.zero_attn_modules"] == "dec.attn"
-    report = fold_checkpoint(tmp_path / "folded", tmp_path / "again", verify=True)
+    with pytest.raises(ValueError, match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)"):
+        fold_checkpoint(tmp_path / "folded", tmp_path / "again", verify=True)
+    report = inspect_checkpoint(tmp_path / "folded")
     assert [(module.name, module.zero_attn) for module in report.modules] == [("dec.attn", True), ("enc.attn", False)]
-    out = load_sharded(tmp_path / "again")
+    out = load_sharded(tmp_path / "folded")
     assert torch.equal(out["dec.attn.in_proj_bias"], stock.in_proj_bias.detach())
 
 
