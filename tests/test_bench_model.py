@@ -19,8 +19,10 @@ def test_nn_transformer_with_two_inputs_agrees_and_is_timed(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert result["attention_modules"] == 3 and result["agrees"] is True  # encoder self, decoder self and cross
     assert {"eval output", "train output", "train encoder.layers.0.self_attn.in_proj_bias"} <= set(result["errors"])
-    for mode in ("inference", "train"):
-        assert result[mode]["stock_over_slim"] > 0 and result[mode]["peak_bytes"]["slim"] > 0
+    for mode in ("inference", "train"):  # one repeat of single calls: a busy machine may stall it (no ratio then)
+        timed = result[mode]
+        assert (timed["stalled"] and timed["stock_over_slim"] is None) or timed["stock_over_slim"] > 0
+        assert timed["peak_bytes"]["slim"] > 0
     assert "3 attention module(s) made slim" in capsys.readouterr().out
 
 

@@ -197,7 +197,7 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
         write_json(json_path, payload)
         ratios = result["ratios"]
         left = (time.perf_counter() - started) / index * (len(cases) - index)
-        verdict = (f"stalled ({', '.join(result['stalled'])}), even measured again: no ratio" if is_stalled(result)
+        verdict = ("stalled twice: no ratio" if is_stalled(result)
                    else f"stock/slim {ratios['stock_over_slim']:.2f}x (paired {paired_ratio(result):.2f}x)")
         print(
             f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  {verdict}"
