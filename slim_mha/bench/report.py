@@ -300,7 +300,7 @@ _MEMORY = "slim's peak memory is at or below stock's in every case"
 _AGREEMENT = "slim agrees with stock within the dtype's tolerance in every case"
 _EXPLANATIONS = {
     _SPEED: "paired stock/slim; at small shapes stock's native kernel is at the floor, where parity is the most",
-    _FLOOR: "paired slim/floor; the floor is the bare matmul + attention + matmul, no module around it",
+    _FLOOR: "paired slim/floor; the floor is the fastest bare computation for the case, no module around it",
     _MEMORY: "the most bytes live during a call, above its inputs",
     _AGREEMENT: "the two compute the same function; more than a few roundings of the dtype is a bug",
 }
@@ -360,7 +360,7 @@ def format_targets(checks: list[TargetCheck]) -> str:
     lines = ["Targets:"]
     for check in checks:
         if not check.total:
-            lines.append(f"  n/a   {check.target} (no case measured)")
+            lines.append(f"  n/a   {check.target} (no case measured: none run, or every one stalled)")
             continue
         verdict = "MET " if check.passed else "MISS"
         bound = f" (there stock/floor is {check.floor_bound:.3f})" if check.floor_bound is not None else ""
