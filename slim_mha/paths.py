@@ -60,16 +60,19 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
         query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
         and state["_qkv_same_embed_dim"]
     )
+    if not plain:
+        return "slim", "masks or cross-attention"
     # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its (fp32)
     # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
     # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
     autocast = torch.is_autocast_enabled(query.device.type)
-    if not plain:
-        return "slim", "masks or cross-attention"
     if autocast and query.is_cuda:
         return "slim", "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
-    if torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in module.parameters())):
+    if torch.is_grad_enabled() and (query.requires_grad or any(
+        p is not None and p.requires_grad
+        for p in (*module._parameters.values(), *module._modules["out_proj"]._parameters.values())
+    )):
         return "slim", "a graph is recorded"
     if training and state["dropout"] > 0.0:
         return "slim", "attention dropout"

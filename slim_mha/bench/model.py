@@ -11,9 +11,9 @@ stock model, and times inference and a training step of both interleaved, with t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -26,6 +26,7 @@ from .allocator import allocator_state
 from .memory import profile_step
 from .options import add_device_option, add_timing_options, device_and_settings, subcommand
 from .report import write_json
+from .runner import _paired_ratio
 from .timing import Settings, measure
 
 __all__ = ["add_parser", "run", "benchmark_model", "ModelInputError"]
@@ -71,21 +72,13 @@ def _build(factory: Callable, target: str, patched: bool) -> nn.Module:
 
     torch.manual_seed(0)
     try:
-        with slim_mha.patched() if patched else _nothing():
+        with slim_mha.patched() if patched else contextlib.nullcontext():
             model = factory()
     except Exception as error:  # the user's code: say whose it is
         raise ModelInputError(f"{target} failed when called with no arguments: {type(error).__name__}: {error}") from None
     if not isinstance(model, nn.Module):
         raise ModelInputError(f"{target} returned a {type(model).__name__}, not an nn.Module: give a callable that builds the model")
     return model
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _inputs(shapes: list[str], input_fn: str | None, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -214,8 +207,7 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
         results[mode] = {
             "stock_ms": summaries["stock"].median_ms,
             "slim_ms": summaries["slim"].median_ms,
-            "stock_over_slim": None if stalled else statistics.median(
-                a / b for a, b in zip(summaries["stock"].samples_ms, summaries["slim"].samples_ms)),
+            "stock_over_slim": None if stalled else _paired_ratio(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
             "stalled": stalled,
             "peak_bytes": peaks,
         }
