@@ -40,7 +40,7 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
       masks or a graph where stock's fast path would run it: with weights always (it is the floor),
       without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
-      the CPU's autocast (where stock runs its fp32 kernel);
+      the CPU's autocast (where stock runs its kernel too);
     * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
     * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
 
@@ -62,7 +62,7 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     )
     if not plain:
         return "slim", "masks or cross-attention"
-    # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its (fp32)
+    # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
     # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
     # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
     autocast = torch.is_autocast_enabled(query.device.type)

@@ -120,3 +120,14 @@ def test_stocks_default_call_runs_stocks_native_kernel_for_slim_too(need_weights
         for attention in (stock, slim):
             ops = _aten_ops(lambda attention=attention: attention(SMALL, SMALL, SMALL, need_weights=need_weights))
             assert "aten::_native_multi_head_attention" in ops, sorted(ops)
+        # and the same outputs: stock's kernel on both sides (autocast rounds stock's added q·b_k, so
+        # under it both are measured against a float64 run)
+        expected, actual = stock(SMALL, SMALL, SMALL, need_weights=need_weights), slim(SMALL, SMALL, SMALL, need_weights=need_weights)
+    with torch.no_grad():
+        reference = float64_reference(stock, SMALL, SMALL, SMALL, need_weights=need_weights)
+    for a, e, r in zip(actual, expected, reference):
+        if e is None:
+            assert a is None
+        else:
+            assert a.dtype == e.dtype and a.stride() == e.stride()
+            assert_matches_stock(a, e, r)
