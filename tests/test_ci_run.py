@@ -42,6 +42,12 @@ esac
 exit "$FAKE_PYTEST_RC"
 """
 
+# df -P[k] .: the free space is $FAKE_FREE_KB (100 GB unless a test says less).
+_FAKE_DF = """#!{bash}
+echo "Filesystem 1024-blocks Used Available Capacity Mounted on"
+echo "/dev/fake 200000000 0 ${{FAKE_FREE_KB:-100000000}} 0% /fake"
+"""
+
 _FAKE_PYTHON3 = """#!{bash}
 # python3 [-c CODE | -m venv [--clear] DIR]: a venv whose pip succeeds and whose python is the stand-in
 # above, reporting this interpreter's version ({version}); the -c probe of .ci/run accepts it.
@@ -90,7 +96,8 @@ def ci_copy(tmp_path) -> Path:
     bash = shutil.which("bash")
     (tools / "fake-python").write_text(_FAKE_PYTHON.format(bash=bash))
     (tools / "python3").write_text(_FAKE_PYTHON3.format(bash=bash, fake_python=tools / "fake-python", version="3.11"))
-    for stub in ("fake-python", "python3"):
+    (tools / "df").write_text(_FAKE_DF.format(bash=bash))
+    for stub in ("fake-python", "python3", "df"):
         (tools / stub).chmod(0o755)
     return tmp_path
 
@@ -169,10 +176,29 @@ def test_every_step_runs_and_one_failure_fails_the_run(ci_copy):
 
 
 def test_the_release_between_the_ends_runs_in_a_venv_of_its_own(ci_copy):
-    result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", FAKE_TORCH="2.14.1")
+    result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", FAKE_TORCH="2.14.1", SLIM_MHA_CI_KEEP_VENVS="1")
     assert "torch2141  torch 2.14.1  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
     assert (ci_copy / ".venv-torch2141" / "bin" / "python").exists()
     assert "local  torch 2.13.0  FAILED: the venv has torch 2.14.1\n" in result.stdout  # each step checks its own
+
+
+def test_each_step_but_local_deletes_its_venv_when_it_ends(ci_copy):
+    add_pyenv(ci_copy, "3.12.1")
+    result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", SLIM_MHA_CI_PY312="1", FAKE_PYTEST_RC="1")
+    assert "torch2141  torch 2.14.1  FAILED: the venv has torch 2.13.0" in result.stdout  # a failed step too
+    assert "py312  Python 3.12  torch 2.13.0  FAILED: pytest exit 1" in result.stdout
+    assert (ci_copy / ".venv" / "bin" / "python").exists()  # the README's venv stays
+    assert not (ci_copy / ".venv-torch2141").exists()
+    assert not (ci_copy / ".venv-py312").exists()
+
+
+def test_a_step_without_room_for_its_venv_fails_and_says_so(ci_copy):
+    result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", FAKE_FREE_KB="1000000")
+    assert result.returncode == 1
+    assert ("torch2141  torch 2.14.1  FAILED: under 7 GB free on /fake; a step's venv takes a few GB, free some "
+            "and run again\n") in result.stdout
+    assert "local  torch 2.13.0  ok: " in result.stdout  # local's venv is the README's own, made either way
+    assert not (ci_copy / ".venv-torch2141").exists()
 
 
 def test_pytest_collecting_no_tests_fails_the_run(ci_copy):
@@ -218,6 +244,9 @@ def test_a_switch_other_than_0_or_1_is_refused(ci_copy):
     result = run_ci(ci_copy, SLIM_MHA_CI_PY313="yes")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == ".ci/run: SLIM_MHA_CI_PY313 must be 0 (skip that step) or 1 (run it, the default), not 'yes'\n"
+    result = run_ci(ci_copy, SLIM_MHA_CI_KEEP_VENVS="yes")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(".ci/run: SLIM_MHA_CI_KEEP_VENVS must be 0 (delete each step's venv")
 
 
 def test_the_classifiers_and_the_tested_bytecode_are_the_pythons_ci_runs():
@@ -234,7 +263,7 @@ def test_the_classifiers_and_the_tested_bytecode_are_the_pythons_ci_runs():
 
 def test_each_python_step_runs_pyenv_s_newest_of_its_version(ci_copy):
     add_pyenv(ci_copy, "3.10.13", "3.12.1", "3.13.0", "3.13.10")
-    result = run_ci(ci_copy, SLIM_MHA_CI_PY312="1", SLIM_MHA_CI_PY313="1")
+    result = run_ci(ci_copy, SLIM_MHA_CI_PY312="1", SLIM_MHA_CI_PY313="1", SLIM_MHA_CI_KEEP_VENVS="1")
     assert result.returncode == 0, result.stdout
     assert not (ci_copy / ".venv-py310").exists()
     for version in ("3.12", "3.13"):
