@@ -5,8 +5,8 @@
 ``nn.MultiheadAttention(E, H)`` is sequence-first, and ``attn(x, x, x)`` asks for the averaged
 weights. Stock's fast path refuses that layout, so stock runs its Python path; slim runs stock's
 native kernel with the query as a batch-first view. Timed in inference, interleaved with the
-benchmark's own timer (``slim_mha.bench.timing``), the allocator warm, beside ``--busy`` busy
-processes (``slim_mha.bench.load``): stock, slim, and slim's own
+benchmark's own timer (``slim_mha.bench.measure.timing``), the allocator warm, beside ``--busy`` busy
+processes (``slim_mha.bench.measure.load``): stock, slim, and slim's own
 one-pass path (stock's fast path switched off around its calls, which slim follows). Printed per
 shape: the median ms, and paired stock/slim and stock/one_pass (the median of the per-repeat ratios).
 ``--cross``: encoder-decoder attention instead, over a memory of ``L`` tokens passed as key and
@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention
-from slim_mha.bench.allocator import allocator_state
-from slim_mha.bench.cases import parse_shape
-from slim_mha.bench.contenders import fast_path_enabled
-from slim_mha.bench.load import competing_load
-from slim_mha.bench.options import parse_script_arguments, script_parser
-from slim_mha.bench.timing import Settings, measure
+from slim_mha.bench.matrix.cases import parse_shape
+from slim_mha.bench.matrix.contenders import fast_path_enabled
+from slim_mha.bench.measure.allocator import allocator_state
+from slim_mha.bench.measure.load import competing_load
+from slim_mha.bench.measure.options import parse_script_arguments, script_parser
+from slim_mha.bench.measure.timing import Settings, measure
 
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")
 

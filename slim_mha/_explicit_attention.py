@@ -139,7 +139,7 @@ def _attention_functional(
         # The mask added by the product itself, as stock does: an add in place on the product's
         # view would make autograd zero-fill and copy a (B, H, L, S) gradient in the backward.
         scores = torch.baddbmm(_batched_mask(mask, B, H), scaled, keys).view(B, H, L, S)
-    weights = torch.softmax(scores, dim=-1)
+    weights = scores.softmax(-1)  # the method: torch.softmax's overload parsing costs more than the op at small sizes
     del scores  # autograd keeps softmax's output, not its input: freed here, as stock frees it
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
@@ -175,9 +175,9 @@ def _attention_averaged_in_blocks(
     return out, weights
 
 
-# Scores up to this many bytes are softmaxed into a new tensor, larger ones in place. In place the
-# CPU kernel costs 4 us more per call at B=2 L=16 H=4 (10 us against 6 us, a tenth of the whole
-# call), and 12% less at B=4 L=128 H=8, where the memory it saves matters (benchmarks/RESULTS.md).
+# Scores under this many bytes are softmaxed into a new tensor, larger ones in place: on the CPU the
+# in-place kernel costs a fixed few microseconds more, a tenth of a call at set-model sizes, and is
+# faster on large scores, where the memory it saves matters (benchmarks/RESULTS.md, "Paths").
 _SOFTMAX_IN_PLACE_FROM_BYTES = 64 << 10
 
 

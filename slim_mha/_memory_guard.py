@@ -19,9 +19,9 @@ too; stock still tries, and fails in the allocator or, under overcommit, in the 
 call                                         slim's path holds at once             stock holds at least
 ===========================================  ====================================  =====================
 a graph is recorded (training), or a         scores and probabilities,             the same
-``torch.func`` transform                     2 x (B, H, L, S), and with
-                                             ``average_attn_weights`` their
-                                             average, (B, L, S)
+``torch.func`` transform                     2 x (B, H, L, S); the average,
+                                             (B, L, S), comes once the scores
+                                             are freed
 no graph, per-head weights                   the weights, (B, H, L, S)             the same
 no graph, averaged, where one pass fits      the scores of every head, softmaxed   (B, H, L, S) scores
 (:func:`rows_per_block` returns L)           in place, (B, H, L, S), and their     and their average,
@@ -114,9 +114,8 @@ def weights_path_bytes(q: Tensor, src_len: int, plan) -> tuple[int, str]:
     S, itemsize = src_len, q.element_size()
     head_maps, averaged = B * H * L * S * itemsize, B * L * S * itemsize
     average_text = f"and their average, (B, L, S) = {(B, L, S)}"
-    if plan.functional:
-        what = f"scores and probabilities, each (B, H, L, S) = {(B, H, L, S)}"
-        return (2 * head_maps + averaged, f"{what}, {average_text}") if plan.average else (2 * head_maps, what)
+    if plan.functional:  # the average is taken once the scores are freed: it never adds to the two
+        return 2 * head_maps, f"scores and probabilities, each (B, H, L, S) = {(B, H, L, S)}"
     if not plan.average:
         return head_maps, f"the weights, (B, H, L, S) = {(B, H, L, S)}"
     rows = plan.rows

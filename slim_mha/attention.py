@@ -8,7 +8,12 @@ from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import attention_with_weights, mean_over_heads, query_scale, scaled_heads
+from ._explicit_attention import (
+    attention_with_weights,
+    mean_over_heads,
+    query_scale,
+    scaled_heads,
+)
 from ._heads import merge_heads, split_heads
 from ._stock_checks import (
     attention_mask,
@@ -32,7 +37,12 @@ from ._torch_compat import (
     stock_head_split,
     stock_kernel,
 )
-from .bias import key_bias, restore_stock_layout, without_key_bias, without_key_bias_eager
+from .bias import (
+    key_bias,
+    restore_stock_layout,
+    without_key_bias,
+    without_key_bias_eager,
+)
 from .equivariance import _mode as _equivariance
 from .paths import choose_path
 

@@ -25,7 +25,12 @@ from torch import nn
 from torch.nn.parameter import Parameter
 from torch.nn.utils import parametrize
 
-from ._swap import FOLDED_VALUE_BIAS, has_folded_value_bias, rebuild_as, refuse_folded_value_bias
+from ._swap import (
+    FOLDED_VALUE_BIAS,
+    has_folded_value_bias,
+    rebuild_as,
+    refuse_folded_value_bias,
+)
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention, slim_options
 from .bias import fold_value_bias_into_output

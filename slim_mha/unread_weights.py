@@ -68,7 +68,6 @@ from typing import TextIO
 
 import torch
 from torch import nn
-
 from torch.nn.modules import module as _torch_module
 
 from ._call import AttentionCall

@@ -154,7 +154,10 @@ def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> bool:
         if rank == 0:
             unsupported.write_text(fully_shard)
         return False
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     model = build_model()

@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 
 import torch
+from _reference import randomize_parameters as randomize
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from slim_mha._torch_compat import (
+    STOCK_MHA,  # stock even while slim_mha.patched() is active
+)
 from slim_mha.bias import fold_key_bias
-from _reference import randomize_parameters as randomize
-
-from slim_mha._torch_compat import STOCK_MHA  # stock even while slim_mha.patched() is active
 
 
 def stock_attention(

@@ -13,7 +13,6 @@ from torch import nn
 
 from slim_mha._matrix import TOLERANCE
 
-
 # Captured at import, before any test patches torch.nn: always torch's own class.
 STOCK_MHA = nn.MultiheadAttention
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from _reference import TOLERANCE, attention_tokens
 from torch import nn
 
-from _reference import TOLERANCE, attention_tokens
 from slim_mha import SlimMultiheadAttention
-from slim_mha.bias import fold_key_bias, fold_value_bias_into_output
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, MODES, WEIGHTS
+from slim_mha.bias import fold_key_bias, fold_value_bias_into_output
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 6, 3

@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench import correctness, detr_command, report, run_command, scale_command, weights_command
-from slim_mha.bench.load import competing_load
-from slim_mha.bench.cases import TARGET_SHAPES, build_matrix
+from slim_mha.bench.detr import command as detr_command
+from slim_mha.bench.matrix import command as run_command
+from slim_mha.bench.matrix import correctness, report
+from slim_mha.bench.matrix.cases import TARGET_SHAPES, build_matrix
+from slim_mha.bench.measure import output
+from slim_mha.bench.measure.load import competing_load
+from slim_mha.bench.scale import command as scale_command
+from slim_mha.bench.weights import command as weights_command
 
 TINY = ["--shape", "2x16x32x4", "--repeats", "2", "--warmup", "1", "--min-sample-ms", "0", "--device", "cpu"]
 
@@ -295,7 +300,7 @@ def test_memory_axis_ticks_are_plain_mib():
     figure, axis = plt.subplots()
     axis.bar([0, 1], [0.5, 60.0])
     axis.set_yscale("log")
-    report.plain_mib_ticks(axis.yaxis)
+    output.plain_mib_ticks(axis.yaxis)
     axis.set_ylim(0.3, 100)
     figure.canvas.draw()
     labels = {label.get_text() for label in axis.get_yticklabels() if label.get_text()}
@@ -327,9 +332,9 @@ def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_r
 def test_masked_contenders_compute_stocks_function_and_stock_keeps_its_kernel(masks, need_weights):
     """With masks, the floor's ``-inf`` form and slim agree with stock, and stock still runs its native
     kernel (bool masks are what its fast path takes): the comparison is against stock's best."""
-    from slim_mha.bench.cases import Case
-    from slim_mha.bench.contenders import build_contenders, output_error
-    from slim_mha.bench.memory import profile_step, took_native_fast_path
+    from slim_mha.bench.matrix.cases import Case
+    from slim_mha.bench.matrix.contenders import build_contenders, output_error
+    from slim_mha.bench.measure.memory import profile_step, took_native_fast_path
 
     case = Case(4, 16, 32, 4, "self", need_weights, "inference", "fp32")
     contenders = build_contenders(case, torch.device("cpu"), masks=masks)
@@ -345,7 +350,7 @@ def test_masked_contenders_compute_stocks_function_and_stock_keeps_its_kernel(ma
 
 
 def test_case_masks_pad_every_other_row_and_refuse_unknown_names():
-    from slim_mha.bench.contenders import case_masks
+    from slim_mha.bench.matrix.contenders import case_masks
 
     both = case_masks("both", 3, 8, torch.device("cpu"))
     padding, causal = both["key_padding_mask"], both["attn_mask"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slim_mha.bench import allocator
+from slim_mha.bench.measure import allocator
 
 PAGE = mmap.PAGESIZE
 GLIBC = allocator.describe_allocator()["controlled"]
@@ -43,8 +43,8 @@ def test_touching_resident_pages_faults_nothing_new():
 
 _COLD_AND_WARM = """
 import json, torch
-from slim_mha.bench import allocator
-from slim_mha.bench.timing import Settings, measure
+from slim_mha.bench.measure import allocator
+from slim_mha.bench.measure.timing import Settings, measure
 
 def step():  # a fresh 8 MiB tensor each call, written once: what a layer's activations do
     torch.empty(2 << 20, dtype=torch.float32).fill_(1.0)

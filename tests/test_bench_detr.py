@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench.detr import CONTENDERS, DetrShape, format_detr, format_detr_lines, run_detr
-from slim_mha.bench.timing import Settings
+from slim_mha.bench.detr.layer import (
+    CONTENDERS,
+    DetrShape,
+    format_detr,
+    format_detr_lines,
+    run_detr,
+)
+from slim_mha.bench.measure.timing import Settings
 
 TINY = DetrShape(queries=4, memory=9, embed_dim=8, heads=2, batch=2, feedforward=8)
 SETTINGS = Settings(repeats=3, min_repeats=3, warmup=0, min_sample_s=0.0, max_case_s=5.0)

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from slim_mha.bench import report
-from slim_mha.bench.runner import time_interleaved
-from slim_mha.bench.timing import STALL_FACTOR, Settings, measure
+from slim_mha.bench.matrix import report
+from slim_mha.bench.matrix.runner import time_interleaved
+from slim_mha.bench.measure.timing import STALL_FACTOR, Settings, measure
 
 SETTINGS = Settings(repeats=5, min_repeats=5, warmup=2, min_sample_s=0.0, max_case_s=5.0, cold_repeats=0)
 CPU = torch.device("cpu")
@@ -59,7 +59,7 @@ def test_the_runner_records_stalls_and_the_reports_leave_them_out():
     )
     assert result["stalled"] == ["stock"] and result["remeasured"]
     assert report.is_stalled(result)
-    assert report._ratio(result, "stock_over_slim") == "stalled (stock): no ratio"
+    assert report.ratio_text(result, "stock_over_slim") == "stalled (stock): no ratio"
     result.update(name="case", case={"mode": "inference", "dtype": "fp32"}, agrees=True, relative_error={"slim": 0.0},
                   memory={name: {"peak_bytes": 1} for name in ("stock", "slim", "floor")})
     speed = next(check for check in report.evaluate_targets([result], "cpu") if "fast" in check.target)
@@ -71,7 +71,7 @@ def test_the_profilers_device_probe_is_kept_out_of_the_output(capfd):
     """A CUDA build of torch without a GPU: the profiler's library prints its failed device probe."""
     import os
 
-    from slim_mha.bench.memory import _profiler_chatter_silenced, profile_step
+    from slim_mha.bench.measure.memory import _profiler_chatter_silenced, profile_step
 
     with _profiler_chatter_silenced():
         os.write(2, b"ERROR:2026-12-04 16:50:48 24322:24322 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")

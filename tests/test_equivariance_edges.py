@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 import slim_mha
-from slim_mha import EquivarianceError, assert_permutation_equivariant, checking_equivariance
+from slim_mha import (
+    EquivarianceError,
+    assert_permutation_equivariant,
+    checking_equivariance,
+)
 
 B, N, D = 2, 6, 8
 

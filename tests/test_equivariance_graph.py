@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 import slim_mha
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
-from slim_mha import EquivarianceError, SlimMultiheadAttention, assert_permutation_equivariant, checking_equivariance
+from slim_mha import (
+    EquivarianceError,
+    SlimMultiheadAttention,
+    assert_permutation_equivariant,
+    checking_equivariance,
+)
 
 pytest.importorskip("torch_geometric")
 from torch_geometric.nn import GINConv, GPSConv  # noqa: E402

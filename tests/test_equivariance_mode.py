@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _reference import attention_tokens
 from torch import nn
 
-from _reference import attention_tokens
 from slim_mha import EquivarianceError, SlimMultiheadAttention, checking_equivariance
 from slim_mha._call import AttentionCall
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, WEIGHTS, appended_options

@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import slim_mha
-from slim_mha import EquivarianceError, SlimMultiheadAttention, assert_permutation_equivariant, checking_equivariance
+from slim_mha import (
+    EquivarianceError,
+    SlimMultiheadAttention,
+    assert_permutation_equivariant,
+    checking_equivariance,
+)
 from slim_mha.equivariance import _model_mode
 
 B, N, D, HEADS = 2, 6, 16, 4

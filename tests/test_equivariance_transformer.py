@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 import slim_mha
-from slim_mha import EquivarianceError, SlimMultiheadAttention, assert_permutation_equivariant, checking_equivariance
+from slim_mha import (
+    EquivarianceError,
+    SlimMultiheadAttention,
+    assert_permutation_equivariant,
+    checking_equivariance,
+)
 from slim_mha.equivariance import _mode
 
 D_MODEL, HEADS, FEEDFORWARD = 16, 4, 32

@@ -17,11 +17,10 @@ import warnings
 
 import pytest
 import torch
+from _reference import STOCK_MHA, randomize_parameters
 from torch.profiler import ProfilerActivity, profile
 
 from slim_mha import SlimMultiheadAttention
-
-from _reference import STOCK_MHA, randomize_parameters
 
 BATCH, LENGTH, EMBED = 2, 16, 64
 # Ops slim may dispatch above stock's Python path. Measured: 16 in training with weights (about 18 on

@@ -15,10 +15,10 @@ import torch
 from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
-from slim_mha import _memory_guard as guard
 from slim_mha import _explicit_attention as explicit
+from slim_mha import _memory_guard as guard
 from slim_mha._explicit_attention import plan_weights_path
-from slim_mha.bench.memory import profile_step
+from slim_mha.bench.measure.memory import profile_step
 
 EMBED_DIM = 8
 # What the estimate leaves out at these sizes: the projections, the output and the bias, a few

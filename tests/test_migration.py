@@ -6,19 +6,6 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
-from slim_mha.migration import (
-    FORMAT_VERSION,
-    fold_checkpoint,
-    format_report,
-    inspect_checkpoint,
-    strip_checkpoint,
-    to_stock_checkpoint,
-)
-from slim_mha import SlimMultiheadAttention
-from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias, zero_key_bias
 from _migration_checkpoints import (
     STOCK_MHA,
     attention_inputs,
@@ -32,6 +19,19 @@ from _migration_checkpoints import (
 )
 from _migration_helpers import private_ledger, reads_pickles  # noqa: F401 (private_ledger: autouse)
 from _reference import assert_close_scaled
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from slim_mha.migration import (
+    FORMAT_VERSION,
+    fold_checkpoint,
+    format_report,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias, zero_key_bias
 
 # Every configuration stock accepts; ids name them.
 CONFIGS = {

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
-
 import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import default_sigint, old_output, private_ledger, run_cli  # noqa: F401 (private_ledger: autouse)
+from safetensors.torch import load_file, save_file
 from slim_mha.migration.report import format_size
 
 PROG = "slim-mha-migrate"

@@ -9,15 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from _migration_checkpoints import (
+    STOCK_MHA,
+    prefixed,
+    randomize,
+    save_sharded,
+    stock_attention,
+    tree_digest,
+)
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
+from _reference import assert_close_scaled
 from safetensors.torch import load_file, save_file
+from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
+from slim_mha.migration.cli import main
 from torch import nn
 
 import slim_mha
-from _reference import assert_close_scaled
-from _migration_helpers import private_ledger  # noqa: F401 (autouse)
-from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
-from slim_mha.migration.cli import main
-from _migration_checkpoints import STOCK_MHA, prefixed, randomize, save_sharded, stock_attention, tree_digest
 
 COMPANIONS = {
     ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",

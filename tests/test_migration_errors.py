@@ -9,16 +9,25 @@ import pickle
 import re
 
 import pytest
-
-import slim_mha.migration._writer as migration_writer
-import torch
-from safetensors.torch import load_file, save_file
-
 import slim_mha.migration._migrate as migrate_module
+import slim_mha.migration._writer as migration_writer
 import slim_mha.migration._writer as writer_module
-from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
-from _migration_checkpoints import key_bias_free, prefixed, save_sharded, stock_attention, tree_digest
+import torch
+from _migration_checkpoints import (
+    key_bias_free,
+    prefixed,
+    save_sharded,
+    stock_attention,
+    tree_digest,
+)
 from _migration_helpers import old_output, private_ledger, reads_pickles, refusal  # noqa: F401 (private_ledger: autouse)
+from safetensors.torch import load_file, save_file
+from slim_mha.migration import (
+    fold_checkpoint,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 

@@ -11,15 +11,20 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-from slim_mha.migration import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
-from slim_mha.migration._destination import _resolved
+import torch
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
+from safetensors.torch import load_file, save_file
+from slim_mha.migration import (
+    fold_checkpoint,
+    format_report,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+from slim_mha.migration._destination import _resolved
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "slim-mha-migrate"

@@ -17,14 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-
 import slim_mha.migration._checkpoint as checkpoint_module
+import torch
+from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import (  # noqa: F401
+    OURS,
+    default_sigint,
+    private_ledger,
+    reads_pickles,
+    refusal,
+    run_cli,
+)
+from safetensors.torch import load_file, save_file
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
-from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import OURS, default_sigint, private_ledger, reads_pickles, refusal, run_cli  # noqa: F401
 
 _RUNS = 12  # migrations per race test
 _FLIPS = 20  # at least this many flips during each of them

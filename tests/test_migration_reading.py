@@ -3,33 +3,22 @@ special files, and messages that show file-supplied names escaped."""
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
 import pickle
 import random
+import re
 import signal
 from collections import Counter
 
 import pytest
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch import nn
-
-import slim_mha
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._plan as plan_module
-from slim_mha import SlimMultiheadAttention
-from slim_mha.bias import FORMAT_VERSION
-from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
-from slim_mha.migration._checkpoint import TensorRecord
+import torch
 from _migration_checkpoints import (
-    key_bias_free,
     attention_inputs,
+    key_bias_free,
     load_sharded,
-    module_state,
     prefixed,
     randomize,
     save_sharded,
@@ -37,6 +26,20 @@ from _migration_checkpoints import (
     tree_digest,
 )
 from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from slim_mha.migration import (
+    fold_checkpoint,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+from slim_mha.migration._checkpoint import TensorRecord
+from torch import nn
+
+import slim_mha
+from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import FORMAT_VERSION
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"

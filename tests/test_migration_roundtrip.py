@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _migration_checkpoints import load_sharded, randomize, save_sharded
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
+from _reference import assert_close_scaled
 from safetensors.torch import load_file, save_file
+from slim_mha.migration import fold_checkpoint, inspect_checkpoint
+from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 from torch import nn
 
 import slim_mha
-from _reference import assert_close_scaled
-from _migration_helpers import private_ledger  # noqa: F401 (autouse)
-from slim_mha.migration import fold_checkpoint, inspect_checkpoint
-from _migration_checkpoints import load_sharded, randomize, save_sharded
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"

@@ -13,12 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
-
 import slim_mha.migration._staging as staging_module
-from slim_mha.migration import fold_checkpoint
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import OURS, default_sigint, left_by_a_killed_run, old_output, private_ledger, refusal  # noqa: F401 (private_ledger: autouse)
+from _migration_helpers import (  # noqa: F401 (private_ledger: autouse)
+    OURS,
+    default_sigint,
+    left_by_a_killed_run,
+    old_output,
+    private_ledger,
+    refusal,
+)
+from safetensors.torch import save_file
+from slim_mha.migration import fold_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")

@@ -10,12 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
+from _migration_checkpoints import (
+    key_bias_free,
+    prefixed,
+    save_sharded,
+    stock_attention,
+)
 from _migration_helpers import private_ledger  # noqa: F401 (autouse)
+from safetensors.torch import save_file
 from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
 from slim_mha.migration._checkpoint import TensorRecord
-from _migration_checkpoints import key_bias_free, prefixed, save_sharded, stock_attention
 
 
 def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):

@@ -10,11 +10,6 @@ import pytest
 import torch
 from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 from safetensors.torch import load_file, save_file
-from torch import nn
-
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
-
-import slim_mha
 from slim_mha.migration import (
     fold_checkpoint,
     fold_state_dict,
@@ -22,6 +17,10 @@ from slim_mha.migration import (
     strip_state_dict,
     to_stock_state_dict,
 )
+from slim_mha.migration._checkpoint import torch_reads_pickles_safely
+from torch import nn
+
+import slim_mha
 
 E = 64
 

@@ -8,7 +8,6 @@ import torch
 from _reference import (
     STOCK_MHA,
     assert_matches_stock,
-    assert_module_matches_stock,
     float64_reference,
     randomize_parameters,
 )

@@ -36,9 +36,8 @@ from torch.nn.utils import parametrize
 
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
-from slim_mha.bench.contenders import fast_path_enabled
-from slim_mha import attention
-from slim_mha.bench.memory import profile_step
+from slim_mha.bench.matrix.contenders import fast_path_enabled
+from slim_mha.bench.measure.memory import profile_step
 
 WITHOUT = {"need_weights": False}
 # Slim's own short path: not stock's kernel, which takes these small calls by default in fp32 and bf16.

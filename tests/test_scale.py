@@ -22,8 +22,10 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _memory_guard as guard
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench import scale_child, scale_report, scale_sweep
-from slim_mha.bench.scale_cases import Series, Settings
+from slim_mha.bench.scale import child as scale_child
+from slim_mha.bench.scale import report as scale_report
+from slim_mha.bench.scale import sweep as scale_sweep
+from slim_mha.bench.scale.cases import Series, Settings
 
 POINT_CLOUD = {"shape": "point-cloud", "embed_dim": 64, "num_heads": 4}
 STOCK_INFERENCE = Series("stock", **POINT_CLOUD, mode="inference", padding_mask=False)

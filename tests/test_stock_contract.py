@@ -20,7 +20,12 @@ from torch import nn
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention, convert
-from tests._reference import STOCK_MHA, TOLERANCE, assert_close_scaled, randomize_parameters
+from tests._reference import (
+    STOCK_MHA,
+    TOLERANCE,
+    assert_close_scaled,
+    randomize_parameters,
+)
 from tests.test_in_the_wild import CONFIGS, E, assert_same, inputs, stock_and_slim
 
 

@@ -29,10 +29,22 @@ from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 import slim_mha
-from slim_mha import SlimMultiheadAttention, convert, patch, patched, unpatch, unread_weights_report
-from slim_mha import unread_weights as _unread_weights
+from slim_mha import (
+    SlimMultiheadAttention,
+    convert,
+    patch,
+    patched,
+    unpatch,
+    unread_weights_report,
+)
 from slim_mha import attention as attention_module
-from slim_mha.bench.detr import DetrShape, DetrStyleDecoderLayer, detr_inputs, explicit_softmax_calls
+from slim_mha import unread_weights as _unread_weights
+from slim_mha.bench.detr.layer import (
+    DetrShape,
+    DetrStyleDecoderLayer,
+    detr_inputs,
+    explicit_softmax_calls,
+)
 
 E, H, L, S, B = 16, 4, 5, 7, 3
 # These tests count slim's own weights path: not stock's Python path, which small calls take by default.
@@ -933,8 +945,8 @@ def test_a_wrong_skip_is_loud_not_a_wrong_number():
 @needs_tested_bytecode
 def test_the_detr_benchmark_measures_what_it_claims():
     """A tiny run of the DETR case: slim_skip runs no weights path where stock and slim do."""
-    from slim_mha.bench.detr import format_detr, run_detr
-    from slim_mha.bench.timing import Settings
+    from slim_mha.bench.detr.layer import format_detr, run_detr
+    from slim_mha.bench.measure.timing import Settings
 
     tiny = DetrShape(queries=4, memory=9, embed_dim=E, heads=H, batch=2, feedforward=8)
     settings = Settings(repeats=1, min_repeats=1, warmup=0, min_sample_s=0.0, max_case_s=1.0)

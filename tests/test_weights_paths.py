@@ -26,7 +26,7 @@ from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
 from slim_mha import _memory_guard as guard
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
-from slim_mha.bench.memory import profile_step
+from slim_mha.bench.measure.memory import profile_step
 
 BATCH, TGT_LEN, SRC_LEN, EMBED, HEADS = 2, 7, 5, 12, 3
 # These tests exercise slim's own weights paths: not stock's Python path, which small calls take by default.

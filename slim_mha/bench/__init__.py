@@ -1,13 +1,17 @@
 """The slim_mha benchmark: ``python -m slim_mha.bench`` (or ``slim-mha-bench``).
 
-Subcommands, one module each, wired by ``__main__``: ``run_command`` (the matrix; the default),
-``scale_command`` (time and memory against the number of tokens), ``detr_command`` (DETR's decoder
-layer), ``weights_command`` (inference with averaged weights: stock, slim, the floor). Shared by
-them: ``options`` (device and timing options), ``cases`` (the matrix), ``contenders`` (stock, slim
-and the floor on shared weights), ``allocator`` (the C allocator's warm and cold states, page faults), ``timing``
-(interleaved repeats), ``memory`` (saved, peak, parameter and optimizer bytes), ``runner`` (one
-case), ``report`` (table, targets, JSON, plot), ``load`` (busy processes), ``detr`` (the DETR
-layer). The scale sweep: ``scale_cases``, ``scale_child`` (one case's process), ``scale_memory``,
-``scale_sweep``, ``scale_report``, ``scale_plot``. ``correctness``: slim against stock over the
-core configuration matrix, for a GPU run.
+One subpackage per command, each with its ``command`` module, wired by ``__main__``:
+
+* ``matrix``: the quick matrix (``run``, the default): cases, contenders (stock, slim, the floor on
+  shared weights), one case's run, the report and its targets; and ``matrix.correctness``, slim
+  against stock over the core configuration matrix, for a GPU run;
+* ``scale``: time and memory against the number of tokens, a process per case;
+* ``detr``: DETR's decoder layer with ``skip_unread_weights``;
+* ``weights``: calls that return their attention weights;
+* ``encoder``: ``nn.TransformerEncoder`` in inference, patched against stock;
+* ``model``: a user's own model, stock against slim.
+
+``measure`` holds what they all share: timing (interleaved repeats, stalls), memory (peak, saved,
+parameter and optimizer bytes), the allocator's warm and cold states, the busy processes, the
+options, the environment a result records, and writing results.
 """

@@ -1,8 +1,7 @@
-"""``python -m slim_mha.bench`` / ``slim-mha-bench``: wires the subcommands, one module each.
+"""``python -m slim_mha.bench`` / ``slim-mha-bench``: wires the subcommands, one subpackage each.
 
-* ``run`` (the default, also with its options and no subcommand): ``run_command.py``;
-* ``scale``: ``scale_command.py``; ``detr``: ``detr_command.py``; ``weights``: ``weights_command.py``;
-  ``encoder``: ``encoder.py``; ``model``: ``model.py``.
+* ``run`` (the default, also with its options and no subcommand): ``matrix/command.py``;
+* ``scale``, ``detr``, ``weights``, ``encoder``, ``model``: ``<name>/command.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import detr_command, encoder, model, run_command, scale_command, weights_command
+from .detr import command as detr_command
+from .encoder import command as encoder
+from .matrix import command as run_command
+from .model import command as model
+from .scale import command as scale_command
+from .weights import command as weights_command
 
 __all__ = ["build_parser", "main"]
 

@@ -22,7 +22,11 @@ output's largest magnitude.
   first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).
 """
 
-from ._checker import assert_permutation_equivariant, assert_permutation_invariant, permutation_equivariance_error
+from ._checker import (
+    assert_permutation_equivariant,
+    assert_permutation_invariant,
+    permutation_equivariance_error,
+)
 from ._locate import Culprit
 from ._measure import TOLERANCE, EquivarianceError
 from ._mode import ENVIRONMENT_VARIABLE, checking_equivariance

@@ -29,9 +29,30 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _context
-from ._locate import Culprit, SubmoduleCheck, compare_calls, flatten, readings, recording
-from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
-from ._report import OutputCheck, PermutationErrors, blamed_module, format_permutation_error, format_shape, subject_of
+from ._locate import (
+    Culprit,
+    SubmoduleCheck,
+    compare_calls,
+    flatten,
+    readings,
+    recording,
+)
+from ._measure import (
+    EquivarianceError,
+    TensorError,
+    draw_permutation,
+    format_indices,
+    measure_error,
+    permute,
+)
+from ._report import (
+    OutputCheck,
+    PermutationErrors,
+    blamed_module,
+    format_permutation_error,
+    format_shape,
+    subject_of,
+)
 
 __all__ = [
     "Culprit",

@@ -50,9 +50,16 @@ from torch import Tensor, nn
 
 from .._call import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
-from ._context import is_rerunning, naming, qualified_name, type_name
-from ._measure import EquivarianceError, TensorError, draw_permutation, format_indices, measure_error, permute
 from ._checker import SAME_AS_DIM
+from ._context import is_rerunning, naming, qualified_name, type_name
+from ._measure import (
+    EquivarianceError,
+    TensorError,
+    draw_permutation,
+    format_indices,
+    measure_error,
+    permute,
+)
 from ._model_mode import ModelCheck, check_dim, check_model_options
 
 __all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "reset", "resolve_options"]

@@ -1,4 +1,4 @@
-"""The sweep: every case in a fresh process, in the order and within the budgets of ``scale_cases``."""
+"""The sweep: every case in a fresh process, in the order and within the budgets of ``cases``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .scale_cases import OOM_MESSAGES, RESULT_MARKER, Series, Settings
+from .cases import OOM_MESSAGES, RESULT_MARKER, Series, Settings
 
 __all__ = ["load_average", "run_sweep"]
 
@@ -21,7 +21,7 @@ def _run_child(series: Series, tokens: int, settings: Settings) -> dict:
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     spec = json.dumps({"series": asdict(series), "tokens": tokens, "settings": asdict(settings)})
-    command = [sys.executable, "-c", "from slim_mha.bench.scale_child import main; main()", spec]
+    command = [sys.executable, "-c", "from slim_mha.bench.scale.child import main; main()", spec]
     started = time.perf_counter()
     try:
         completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=settings.case_timeout_s)

@@ -20,12 +20,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .allocator import allocator_state
-from .memory import profile_step
-from .options import add_device_option, add_timing_options, device_and_settings, subcommand
-from .report import write_json
-from .runner import _paired_ratio
-from .timing import Settings, measure
+from ..measure.allocator import allocator_state
+from ..measure.memory import profile_step
+from ..measure.options import (
+    add_device_option,
+    add_timing_options,
+    device_and_settings,
+    subcommand,
+)
+from ..measure.output import write_json
+from ..measure.timing import Settings, measure, median_of_ratios
 
 __all__ = ["EncoderCase", "add_parser", "encoder_cases", "run", "run_encoder_case"]
 
@@ -91,7 +95,7 @@ def run_encoder_case(case: EncoderCase, settings: Settings, device: torch.device
         error = (calls["slim"]() - calls["stock"]()).abs().max().item()
         peaks = {name: profile_step(call, device).peak_bytes for name, call in calls.items()}
         summaries = measure({name: (call, lambda: None) for name, call in calls.items()}, device, settings)
-    paired = _paired_ratio(summaries["stock"].samples_ms, summaries["slim"].samples_ms)
+    paired = median_of_ratios(summaries["stock"].samples_ms, summaries["slim"].samples_ms)
     stalled = sorted(name for name, summary in summaries.items() if summary.stalled)
     return {
         "stalled": stalled,  # timing.py: stalls even when measured again; no ratio is printed then

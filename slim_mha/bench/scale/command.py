@@ -9,14 +9,23 @@ from pathlib import Path
 
 import torch
 
-from .options import subcommand
-from .report import write_json
-from .runner import describe_environment
-from .scale_cases import BUDGETS, CONTENDERS, DTYPES, MODES, SHAPES, TOKENS, Settings, build_series
-from .scale_memory import default_memory_cap
-from .scale_plot import plot_scale
-from .scale_report import fit_line, format_cell, format_markdown, format_mib, format_table
-from .scale_sweep import load_average, run_sweep
+from ..measure.environment import describe_environment
+from ..measure.options import subcommand
+from ..measure.output import write_json
+from .cases import (
+    BUDGETS,
+    CONTENDERS,
+    DTYPES,
+    MODES,
+    SHAPES,
+    TOKENS,
+    Settings,
+    build_series,
+)
+from .memory import default_memory_cap
+from .plot import plot_scale
+from .report import fit_line, format_cell, format_markdown, format_mib, format_table
+from .sweep import load_average, run_sweep
 
 __all__ = ["add_parser", "run"]
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch import Tensor
+from torch.profiler import ProfilerActivity, profile
 
 __all__ = [
     "StepProfile",

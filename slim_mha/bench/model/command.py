@@ -22,12 +22,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .allocator import allocator_state
-from .memory import profile_step
-from .options import add_device_option, add_timing_options, device_and_settings, subcommand
-from .report import write_json
-from .runner import _paired_ratio
-from .timing import Settings, measure
+from ..measure.allocator import allocator_state
+from ..measure.memory import profile_step
+from ..measure.options import (
+    add_device_option,
+    add_timing_options,
+    device_and_settings,
+    subcommand,
+)
+from ..measure.output import write_json
+from ..measure.timing import Settings, measure, median_of_ratios
 
 __all__ = ["add_parser", "run", "benchmark_model", "ModelInputError"]
 
@@ -207,7 +211,7 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
         results[mode] = {
             "stock_ms": summaries["stock"].median_ms,
             "slim_ms": summaries["slim"].median_ms,
-            "stock_over_slim": None if stalled else _paired_ratio(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
+            "stock_over_slim": None if stalled else median_of_ratios(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
             "stalled": stalled,
             "peak_bytes": peaks,
         }

@@ -186,3 +186,17 @@ def measure(
         stalled = summary.median_ms > STALL_FACTOR * best[name] * 1e3
         summaries[name] = replace(summary, best_ms=best[name] * 1e3, remeasured=remeasured, stalled=stalled)
     return summaries
+
+
+def median_of_ratios(numerator: list[float], denominator: list[float]) -> float:
+    """The median of the per-repeat ratios: each repeat's pair ran side by side."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def quartiles_of_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    """First and third quartiles of the per-repeat ratios."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]

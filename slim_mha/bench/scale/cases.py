@@ -28,9 +28,9 @@ Output: JSON, a Markdown report (tables, the largest N each contender handled, m
 N) and a log-log plot of time and memory against N.
 
 The sweep is split as the rest of the benchmark is: the cases and settings here, the child's
-measurement in ``scale_child`` (time) and ``scale_memory`` (peak and cap), the sweep's order and
-budgets in ``scale_sweep``, the tables in ``scale_report``, the plot in ``scale_plot`` and the
-command line in ``scale_command``.
+measurement in ``child`` (time) and ``memory`` (peak and cap), the sweep's order and
+budgets in ``sweep``, the tables in ``report``, the plot in ``plot`` and the
+command line in ``command``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .scale_cases import PADDED_FRACTION, SHAPES
+from .cases import PADDED_FRACTION, SHAPES
 
 __all__ = ["common_n_memory", "fit_line", "format_cell", "format_markdown", "format_mib", "format_table", "largest_handled"]
 

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..measure.output import excess_text, mib_text, plain_mib_ticks
 from .runner import TOLERANCE
 
 __all__ = [
     "TargetCheck",
     "evaluate_targets",
-    "excess_text",
     "format_markdown",
     "format_profiles",
     "format_summary",
     "format_table",
     "format_targets",
     "paired_ratio",
-    "plain_mib_ticks",
+    "ratio_text",
     "plot_speedup",
-    "write_json",
 ]
 
 _MIB = 1024 * 1024
@@ -55,7 +53,7 @@ def _ms(summary: dict) -> str:
     return f"{summary['median_ms']:9.2f} ±{summary['iqr_over_median'] * 50:3.0f}%"
 
 
-def _ratio(result: dict, key: str) -> str:
+def ratio_text(result: dict, key: str) -> str:
     """The ratio of the medians, then the per-repeat paired median and its quartiles when recorded:
     ``1.02x (paired 1.03x, 0.97-1.08)``."""
     paired = result.get("paired_ratios", {}).get(key)
@@ -65,10 +63,6 @@ def _ratio(result: dict, key: str) -> str:
         return f"{result['ratios'][key]:.2f}x"
     low, high = paired["quartiles"]
     return f"{result['ratios'][key]:.2f}x (paired {paired['median']:.2f}x, {low:.2f}-{high:.2f})"
-
-
-def _mib(value: int | None) -> str:
-    return "      -" if value is None else f"{value / _MIB:7.1f}"
 
 
 _SHORT_MODES = {"train-equivariance": "train+eq"}  # the table's label; the markdown spells it out
@@ -238,8 +232,8 @@ def format_markdown(payload: dict) -> str:
     ]
     for result in payload["cases"]:
         case, time, memory = result["case"], result["time"], result["memory"]
-        peaks = " / ".join(_mib(memory[name]["peak_bytes"]).strip() for name in CONTENDER_ORDER)
-        saved = " / ".join(_mib(memory[name]["saved_bytes"]).strip() for name in ("stock", "slim"))
+        peaks = " / ".join(mib_text(memory[name]["peak_bytes"]).strip() for name in CONTENDER_ORDER)
+        saved = " / ".join(mib_text(memory[name]["saved_bytes"]).strip() for name in ("stock", "slim"))
         times = [
             f"{time[name]['median_ms']:.2f} ±{time[name]['iqr_over_median'] * 50:.0f}%"
             for name in CONTENDER_ORDER
@@ -250,7 +244,7 @@ def format_markdown(payload: dict) -> str:
         lines.append(
             f"| {case['mode']} | {case['attention']} | {'yes' if case['need_weights'] else 'no'} | {case['batch']} "
             f"| {case['seq_len']} | {case['embed_dim']} | {case['num_heads']} | {case['dtype']} | {' | '.join(times)} "
-            f"| {_ratio(result, 'stock_over_slim')} | {_ratio(result, 'slim_over_floor')} | {cold_ms} | {faults} "
+            f"| {ratio_text(result, 'stock_over_slim')} | {ratio_text(result, 'slim_over_floor')} | {cold_ms} | {faults} "
             f"| {peaks} | {saved} |"
         )
     checks = [
@@ -271,11 +265,6 @@ def _describe_allocator(environment: dict) -> str:
     settings = ", ".join(f"{name}={value}" for name, value in allocator["warm"].items())
     inherited = ", ".join(f"{name}={value}" for name, value in allocator.get("environment", {}).items())
     return f"{allocator['library']}, warm: {settings}" + (f"; environment: {inherited}" if inherited else "")
-
-
-def excess_text(excess: int) -> str:
-    """How far the largest slim peak is above stock's, in bytes a reader can weigh; empty if none is."""
-    return f", slim at most {excess / 1024:.1f} KiB above stock" if excess > 0 else ""
 
 
 def _check(
@@ -373,24 +362,8 @@ def format_targets(checks: list[TargetCheck]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(payload, indent=1))
-    temporary.replace(path)  # a run cut short never leaves half a file behind
-
-
 _MODE_COLOURS = {"inference": "C0", "train": "C1", "train-equivariance": "C2"}
 _LEGEND_TITLE = "B batch, L sequence length, E embed dim, H heads; w: need_weights=True"
-
-
-def plain_mib_ticks(axis) -> None:
-    """Plain numbers on a log axis of MiB (0.5, 2, 60), where matplotlib would write 6x10^1."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # the optional bench extra
-
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(NullFormatter())
 
 
 def _paired_spread(result: dict, ratio: float) -> tuple[float, float]:

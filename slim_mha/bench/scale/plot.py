@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import plain_mib_ticks
-from .scale_cases import MODES
+from ..measure.output import plain_mib_ticks
+from .cases import MODES
 
 __all__ = ["plot_scale"]
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .allocator import allocator_state
-from .detr import format_detr, format_detr_lines, run_detr
-from .options import add_device_option, add_timing_options, device_and_settings, subcommand
-from .report import write_json
+from ..measure.allocator import allocator_state
+from ..measure.options import (
+    add_device_option,
+    add_timing_options,
+    device_and_settings,
+    subcommand,
+)
+from ..measure.output import write_json
+from .layer import format_detr, format_detr_lines, run_detr
 
 __all__ = ["add_parser", "run"]
 

@@ -11,10 +11,17 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from ..attention import SlimMultiheadAttention
-from .allocator import minor_faults
-from .scale_cases import DTYPES, OOM_MESSAGES, PADDED_FRACTION, RESULT_MARKER, Series, Settings
-from .scale_memory import PeakMemory, cap_address_space
+from ...attention import SlimMultiheadAttention
+from ..measure.allocator import minor_faults
+from .cases import (
+    DTYPES,
+    OOM_MESSAGES,
+    PADDED_FRACTION,
+    RESULT_MARKER,
+    Series,
+    Settings,
+)
+from .memory import PeakMemory, cap_address_space
 
 __all__ = ["main", "measure_case"]
 

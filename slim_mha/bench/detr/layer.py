@@ -24,16 +24,24 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile
 
-from ..conversion import convert
-from .contenders import Contender, _clear_grads, _inference_step, _training_step, output_error
-from .memory import _profiler_chatter_silenced
-from .report import _mib, _ratio
-from .runner import _load_average, describe_environment, measure_step_memory, time_interleaved
-from .timing import Settings
+from ...conversion import convert
+from ..matrix.contenders import (
+    Contender,
+    _clear_grads,
+    _inference_step,
+    _training_step,
+    output_error,
+)
+from ..matrix.report import ratio_text
+from ..matrix.runner import measure_step_memory, time_interleaved
+from ..measure.environment import describe_environment, load_average
+from ..measure.memory import _profiler_chatter_silenced
+from ..measure.output import mib_text
+from ..measure.timing import Settings
 
 __all__ = ["DetrStyleDecoderLayer", "DetrShape", "explicit_softmax_calls", "format_detr", "format_detr_lines", "run_detr"]
 
@@ -191,7 +199,7 @@ def _output_errors(layers: dict[str, nn.Module], contenders: dict[str, Contender
 
 def run_detr_mode(mode: str, shape: DetrShape, settings: Settings, device: torch.device) -> dict:
     """Correctness, weights-path check, memory and interleaved time of the three contenders in ``mode``."""
-    load_before, started = _load_average(), time.perf_counter()
+    load_before, started = load_average(), time.perf_counter()
     trains = mode != "inference"
     layers = build_layers(shape, 0.1 if mode == "train" else 0.0, settings.seed, device)
     inputs = detr_inputs(shape, torch.Generator().manual_seed(settings.seed + 1), device)
@@ -213,7 +221,7 @@ def run_detr_mode(mode: str, shape: DetrShape, settings: Settings, device: torch
         "relative_error": errors,
         **time_interleaved(contenders, device, settings, ratios=pairs, spreads=pairs),
         "memory": memory,
-        "load_average": [load_before, _load_average()],
+        "load_average": [load_before, load_average()],
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -252,9 +260,9 @@ def format_detr(payload: dict) -> str:
         mode = result["mode"] + (f" (attn dropout {result['attention_dropout']})" if result["mode"] == "train" else "")
         lines.append(
             f"| {mode} | {_ms(times['stock'])} | {_ms(times['slim'])} | {_ms(times['slim_skip'])} "
-            f"| {_ratio(result, 'slim_over_slim_skip')} | {_ratio(result, 'stock_over_slim_skip')} "
-            f"| {' / '.join(_mib(memory[name]['peak_bytes']).strip() for name in CONTENDERS)} "
-            f"| {' / '.join(_mib(memory[name]['saved_bytes']).strip() for name in CONTENDERS)} "
+            f"| {ratio_text(result, 'slim_over_slim_skip')} | {ratio_text(result, 'stock_over_slim_skip')} "
+            f"| {' / '.join(mib_text(memory[name]['peak_bytes']).strip() for name in CONTENDERS)} "
+            f"| {' / '.join(mib_text(memory[name]['saved_bytes']).strip() for name in CONTENDERS)} "
             f"| {' / '.join(str(memory[name]['explicit_softmax_calls']) for name in CONTENDERS)} "
             f"| {result['relative_error']['slim']:.1e} / {result['relative_error']['slim_skip']:.1e} |"
         )
@@ -281,12 +289,12 @@ def format_detr_lines(payload: dict) -> str:
             f"{mode}:",
             "  ms stock / slim / slim_skip:    "
             + " / ".join(f"{times[name]['median_ms']:.2f}" for name in CONTENDERS),
-            f"  slim/slim_skip:  {_ratio(result, 'slim_over_slim_skip')}",
-            f"  stock/slim_skip: {_ratio(result, 'stock_over_slim_skip')}",
+            f"  slim/slim_skip:  {ratio_text(result, 'slim_over_slim_skip')}",
+            f"  stock/slim_skip: {ratio_text(result, 'stock_over_slim_skip')}",
             "  peak MiB stock / slim / skip:  "
-            + " / ".join(_mib(memory[name]["peak_bytes"]).strip() for name in CONTENDERS),
+            + " / ".join(mib_text(memory[name]["peak_bytes"]).strip() for name in CONTENDERS),
             "  saved MiB stock / slim / skip: "
-            + " / ".join(_mib(memory[name]["saved_bytes"]).strip() for name in CONTENDERS),
+            + " / ".join(mib_text(memory[name]["saved_bytes"]).strip() for name in CONTENDERS),
             "  explicit softmax calls:        "
             + " / ".join(str(memory[name]["explicit_softmax_calls"]) for name in CONTENDERS),
             f"  relative error slim / skip:    {result['relative_error']['slim']:.1e} / "

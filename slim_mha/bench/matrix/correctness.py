@@ -1,4 +1,4 @@
-"""Slim against stock on one device, over the core configuration matrix: ``python -m slim_mha.bench.correctness``.
+"""Slim against stock on one device, over the core configuration matrix: ``python -m slim_mha.bench.matrix.correctness``.
 
 Written for a lent GPU, where the unit tests do not run; it runs on CPU too. Each
 configuration builds stock with every parameter random (so the key bias is non-zero), loads slim
@@ -29,8 +29,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .._matrix import APPENDED, ATTENTION_KINDS, MODES, TOLERANCE, WEIGHTS, appended_options
-from ..attention import SlimMultiheadAttention
+from ..._matrix import (
+    APPENDED,
+    ATTENTION_KINDS,
+    MODES,
+    TOLERANCE,
+    WEIGHTS,
+    appended_options,
+)
+from ...attention import SlimMultiheadAttention
 
 __all__ = ["Config", "check_config", "core_matrix", "main"]
 
@@ -247,12 +254,12 @@ def check_config(config: Config, device: torch.device) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m slim_mha.bench.correctness",
+        prog="python -m slim_mha.bench.matrix.correctness",
         description="Compare slim with stock on one device over the core configuration matrix.",
         epilog=(
             "examples:\n"
-            "  python -m slim_mha.bench.correctness --device cuda --dtype fp32,bf16 --json out/correctness.json\n"
-            "  python -m slim_mha.bench.correctness --device cpu --sweep 20"
+            "  python -m slim_mha.bench.matrix.correctness --device cuda --dtype fp32,bf16 --json out/correctness.json\n"
+            "  python -m slim_mha.bench.matrix.correctness --device cpu --sweep 20"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import statistics
-import subprocess
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import __version__
-from .allocator import allocator_state, describe_allocator, prepare_cold_call, settle
-from .cases import Case
-from .contenders import Contender, build_contenders, output_error
-from .memory import (
+from ..measure.allocator import (
+    allocator_state,
+    prepare_cold_call,
+    settle,
+)
+from ..measure.environment import load_average
+from ..measure.memory import (
     adam_state_bytes,
     parameter_bytes,
     profile_step,
@@ -26,9 +22,11 @@ from .memory import (
     took_native_fast_path,
     top_ops,
 )
-from .timing import Settings, measure
+from ..measure.timing import Settings, measure, median_of_ratios, quartiles_of_ratios
+from .cases import Case
+from .contenders import Contender, build_contenders, output_error
 
-__all__ = ["TOLERANCE", "describe_environment", "measure_step_memory", "run_case", "time_interleaved"]
+__all__ = ["TOLERANCE", "measure_step_memory", "run_case", "time_interleaved"]
 
 # Relative error ‖slim − stock‖ / ‖stock‖ above which a case is flagged: the two compute the same
 # function, so anything past a few roundings of the dtype is a bug, not noise.
@@ -53,7 +51,7 @@ def run_case(
     profile_ops: bool = False,
 ) -> dict:
     """Everything measured for one case, as a JSON-ready dict."""
-    load_before, started = _load_average(), time.perf_counter()
+    load_before, started = load_average(), time.perf_counter()
     contenders = build_contenders(case, device, seed=settings.seed, equivariance_every=equivariance_every)
     errors = _relative_errors(case, contenders)
     memory, stock_ops = _measure_memory(case, contenders, device)
@@ -78,7 +76,7 @@ def run_case(
         "profile": profile,
         # 1-minute load average before and after: above the core count, other processes shared the
         # CPU and the timings are noisier (interleaving keeps the ratios fair, not the spread small).
-        "load_average": [load_before, _load_average()],
+        "load_average": [load_before, load_average()],
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -125,8 +123,8 @@ def time_interleaved(
     result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
     result["ratios"] = {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in ratios}
     result["paired_ratios"] = {
-        f"{a}_over_{b}": {"median": _paired_ratio(samples[a], samples[b]),
-                          "quartiles": _paired_quartiles(samples[a], samples[b])}
+        f"{a}_over_{b}": {"median": median_of_ratios(samples[a], samples[b]),
+                          "quartiles": quartiles_of_ratios(samples[a], samples[b])}
         for a, b in spreads
     }
     return result
@@ -138,19 +136,6 @@ def _then_cold(reset: Callable[[], None]) -> Callable[[], None]:
         prepare_cold_call()
 
     return reset_cold
-
-
-def _paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
-
-
-def _paired_quartiles(numerator: list[float], denominator: list[float]) -> list[float]:
-    """First and third quartiles of the per-repeat ratios."""
-    ratios = [a / b for a, b in zip(numerator, denominator)]
-    if len(ratios) < 2:
-        return [ratios[0], ratios[0]]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return [q1, q3]
 
 
 def _relative_errors(case: Case, contenders: dict) -> dict[str, float]:
@@ -196,65 +181,3 @@ def measure_step_memory(contender: Contender, device: torch.device, *, trains: b
         "saved_bytes": saved,
     }
     return memory, profiled.op_names
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git(*args: str) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _git_commit() -> str | None:
-    """``HEAD``'s short hash, with ``+dirty`` when the package differs from it; ``None`` outside git."""
-    head = _git("rev-parse", "--short", "HEAD")
-    if head is None or head.returncode != 0 or not head.stdout.strip():
-        return None
-    changes = _git("status", "--porcelain", "--untracked-files=no", "--", str(Path(__file__).resolve().parents[1]))
-    dirty = changes is not None and bool(changes.stdout.strip())
-    return head.stdout.strip() + ("+dirty" if dirty else "")
-
-
-def describe_environment(device: torch.device) -> dict:
-    environment = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "slim_mha": __version__,
-        "git_commit": _git_commit(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device.type,
-        "device_name": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "allocator": describe_allocator(),
-    }
-    if device.type == "cuda":
-        environment.update(
-            device_name=torch.cuda.get_device_name(device),
-            cuda=torch.version.cuda,
-            cudnn=torch.backends.cudnn.version(),
-            capability=".".join(map(str, torch.cuda.get_device_capability(device))),
-            matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
-        )
-    return environment

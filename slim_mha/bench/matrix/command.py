@@ -15,11 +15,19 @@ from pathlib import Path
 
 import torch
 
-from .allocator import allocator_state
+from ..measure.allocator import allocator_state
+from ..measure.environment import describe_environment
+from ..measure.load import competing_load
+from ..measure.options import (
+    add_device_option,
+    add_timing_options,
+    resolve_device,
+    subcommand,
+    timing_settings,
+)
+from ..measure.output import write_json
 from .cases import DTYPES, MODES, build_matrix, parse_shape
 from .contenders import equivariance_support
-from .load import competing_load
-from .options import add_device_option, add_timing_options, resolve_device, subcommand, timing_settings
 from .report import (
     evaluate_targets,
     format_markdown,
@@ -30,9 +38,8 @@ from .report import (
     is_stalled,
     paired_ratio,
     plot_speedup,
-    write_json,
 )
-from .runner import describe_environment, run_case
+from .runner import run_case
 
 __all__ = ["EXAMPLES", "add_options", "add_parser", "run"]
 

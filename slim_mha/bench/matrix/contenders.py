@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import SlimMultiheadAttention
+from ...attention import SlimMultiheadAttention
 from .cases import AUTOCAST, DTYPES, Case
 
 __all__ = [

@@ -21,15 +21,22 @@ from pathlib import Path
 
 import torch
 
-from .. import _explicit_attention as explicit
-from .allocator import allocator_state, prepare_cold_call
-from .cases import TARGET_SHAPES, Case, parse_shape
-from .contenders import MASKS, Contender, build_contenders, fast_path_enabled, output_error
-from .load import competing_load
-from .options import add_timing_options, subcommand, timing_settings
-from .report import excess_text, write_json
-from .runner import _load_average, _paired_quartiles, _paired_ratio, describe_environment, measure_step_memory
-from .timing import measure
+from ... import _explicit_attention as explicit
+from ..matrix.cases import TARGET_SHAPES, Case, parse_shape
+from ..matrix.contenders import (
+    MASKS,
+    Contender,
+    build_contenders,
+    fast_path_enabled,
+    output_error,
+)
+from ..matrix.runner import measure_step_memory
+from ..measure.allocator import allocator_state, prepare_cold_call
+from ..measure.environment import describe_environment, load_average
+from ..measure.load import competing_load
+from ..measure.options import add_timing_options, subcommand, timing_settings
+from ..measure.output import excess_text, write_json
+from ..measure.timing import measure, median_of_ratios, quartiles_of_ratios
 
 __all__ = ["DEFAULT_SHAPES", "add_parser", "run"]
 
@@ -121,7 +128,7 @@ def _in_one_pass(slim: Contender) -> Contender:
 
 def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
     device = torch.device("cpu")
-    load_before = _load_average()
+    load_before = load_average()
     case = Case(*shape, "self", True, "inference", "fp32")
     contenders = build_contenders(case, device, seed=settings.seed, masks=args.masks)
     if args.blocks:
@@ -144,8 +151,8 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
         "median_ms": {name: summary.median_ms for name, summary in timings.items()},
         "ratios": {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in pairs},
         "paired_ratios": {
-            f"{a}_over_{b}": {"median": _paired_ratio(samples[a], samples[b]),
-                              "quartiles": _paired_quartiles(samples[a], samples[b])}
+            f"{a}_over_{b}": {"median": median_of_ratios(samples[a], samples[b]),
+                              "quartiles": quartiles_of_ratios(samples[a], samples[b])}
             for a, b in pairs
         },
         "peak_bytes": peaks,
@@ -155,7 +162,7 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
         "remeasured": timings["stock"].remeasured,
         "stalled": sorted(name for name, summary in timings.items() if summary.stalled),
         "relative_error": errors,
-        "load_average": [load_before, _load_average()],
+        "load_average": [load_before, load_average()],
     }
 
 

@@ -1,0 +1,40 @@
+"""Writing results: JSON files that are whole or absent, and numbers as a reader weighs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["excess_text", "mib_text", "plain_mib_ticks", "write_json"]
+
+_MIB = 1024 * 1024
+
+
+def mib_text(value: int | None) -> str:
+    """Bytes as MiB in a table's column of seven characters; a dash for none."""
+    return "      -" if value is None else f"{value / _MIB:7.1f}"
+
+
+def excess_text(excess: int) -> str:
+    """How far the largest slim peak is above stock's, in bytes a reader can weigh; empty if none is."""
+    return f", slim at most {excess / 1024:.1f} KiB above stock" if excess > 0 else ""
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(payload, indent=1))
+    temporary.replace(path)  # a run cut short never leaves half a file behind
+
+
+def plain_mib_ticks(axis) -> None:
+    """Plain numbers on a log axis of MiB (0.5, 2, 60), where matplotlib would write 6x10^1."""
+    from matplotlib.ticker import (  # the optional bench extra
+        FuncFormatter,
+        LogLocator,
+        NullFormatter,
+    )
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())

@@ -1,0 +1,1 @@
+"""`python -m slim_mha.bench weights`: calls that return their attention weights."""
