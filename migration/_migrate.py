@@ -15,7 +15,6 @@ Nothing that is not ours is deleted or overwritten: see :mod:`._destination` for
 from __future__ import annotations
 
 import errno
-import fnmatch
 import json
 import os
 import shutil
@@ -51,12 +50,19 @@ from ._destination import (
     permissions,
 )
 from ._inputs import open_input
-from ._staging import Staging, pause_for_tests, remove_litter, sync_files
-from ._text import option, plural, shown
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, already_folded, migrated_tensors, plan_module
-from ._verify import check_module_error, check_written_file, check_written_text, module_output_error, tolerance_for
+from ._staging import Staging, pause_for_tests, remove_litter, sync_files
+from ._text import option, plural, shown
+from ._verify import (
+    check_module_error,
+    check_written_file,
+    check_written_text,
+    module_output_error,
+    tolerance_for,
+)
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
+from ._zero_attn import check_patterns, records_zero_attn, zero_attn_modules
 from .report import MigrationReport, ModuleReport, format_size
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
@@ -67,11 +73,11 @@ _EXPANSION, _EXPANSION_SLACK = 4, 16 * 1024 * 1024
 
 def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
     source = Path(source)
-    zero_attn = _check_patterns(zero_attn)
+    zero_attn = check_patterns(zero_attn)
     with open_checkpoint(source) as checkpoint:
         groups = find_attention_modules(checkpoint)
-        marked = _zero_attn_modules(zero_attn, groups, checkpoint)
-        recorded = _records_zero_attn(checkpoint)
+        marked = zero_attn_modules(zero_attn, groups, checkpoint)
+        recorded = records_zero_attn(checkpoint)
         modules = tuple(
             _module_report(group, group.name in marked, recorded=recorded, read=_reader(group)) for group in groups
         )
@@ -101,7 +107,7 @@ def migrate(
     source, destination = Path(source), Path(destination)
     if destination.name in ("", ".", ".."):  # "." names a folder whose staging must sit beside it, not in it
         destination = Path(os.path.abspath(destination))
-    zero_attn = _check_patterns(zero_attn)
+    zero_attn = check_patterns(zero_attn)
     if not source.exists():
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
@@ -135,8 +141,8 @@ def _migrate_opened(
             f"{shown(source)}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
             "q_proj_weight); nothing was written"
         )
-    marked = _zero_attn_modules(zero_attn, groups, checkpoint)
-    recorded = _records_zero_attn(checkpoint)
+    marked = zero_attn_modules(zero_attn, groups, checkpoint)
+    recorded = records_zero_attn(checkpoint)
     plans = [
         plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
         for group in groups
@@ -171,7 +177,7 @@ def _migrate_opened(
     if any(plan.fold_value for plan in plans):
         metadata["slim_mha.value_bias_folded"] = "eval-only"
     zero_attn_names = sorted(plan.group.name for plan in plans if plan.zero_attn)
-    if zero_attn_names:  # read back by the next run (_zero_attn_modules), so a round trip keeps the mark
+    if zero_attn_names:  # read back by the next run (zero_attn_modules), so a round trip keeps the mark
         metadata["slim_mha.zero_attn_modules"] = ",".join(zero_attn_names)
     found, skipped = find_companions(checkpoint, follow_outside_links=follow_outside_links)
     copied = found if companions else []
@@ -278,69 +284,6 @@ def _file_metadata(checkpoint: Checkpoint, shard, provenance: dict[str, str], di
 
 
 # ----------------------------------------------------------------------------------- arguments
-
-
-def _check_patterns(zero_attn: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(zero_attn, str):
-        raise ValueError(f"zero_attn must be a list of module names or patterns, got the string {zero_attn!r}")
-    patterns = tuple(zero_attn)
-    for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern.strip("."):
-            raise ValueError(
-                f"{option('zero_attn')} {shown(repr(pattern))}: expected a module name such as "
-                "'decoder.layers.0.self_attn'"
-            )
-    return patterns
-
-
-def _zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint) -> set[str]:
-    """The modules marked add_zero_attn: by the user's patterns, and by the checkpoint's own metadata
-    (``slim_mha.zero_attn_modules``, written by an earlier run), which a round trip must not lose."""
-    source = checkpoint.source
-    names = [group.name for group in groups]
-    marked = _recorded_zero_attn(checkpoint, set(names))
-    for pattern in patterns:
-        hits = [name for name in names if fnmatch.fnmatchcase(name, pattern.rstrip("."))]
-        if not hits:
-            example = f"; modules are named like '{shown(names[0])}' (see inspect)" if names else ""
-            raise ValueError(
-                f"{shown(source)}: {option('zero_attn')} '{shown(pattern)}' matches no attention module{example}"
-            )
-        marked.update(hits)
-    return marked
-
-
-def _recorded_zero_attn(checkpoint: Checkpoint, names: set[str]) -> set[str]:
-    """What earlier runs recorded in the files' metadata; refuses a record that no longer fits the tensors."""
-    for where, value in checkpoint.recorded("slim_mha.format_version"):
-        if not (isinstance(value, str) and value.isdigit()):
-            raise ValueError(
-                f"{shown(where)}: metadata slim_mha.format_version is {shown(repr(value))}, not a number; the "
-                "metadata was edited: convert the original checkpoint instead"
-            )
-        if int(value) > FORMAT_VERSION:
-            raise ValueError(
-                f"{shown(where)}: written by a newer slim_mha (format version {value}; this one reads up to "
-                f"{FORMAT_VERSION}); upgrade slim_mha to convert it"
-            )
-    recorded: set[str] = set()
-    for where, value in checkpoint.recorded("slim_mha.zero_attn_modules"):
-        listed = value.split(",") if isinstance(value, str) else [value]
-        for name in listed:
-            if name not in names:
-                raise ValueError(
-                    f"{shown(where)}: its metadata marks {shown(repr(name))} as an add_zero_attn module "
-                    "(slim_mha.zero_attn_modules), but no attention module has that name: the tensors were "
-                    f"renamed after slim_mha wrote them; convert the original checkpoint, with {option('zero_attn')}"
-                )
-            recorded.add(name)
-    return recorded
-
-
-def _records_zero_attn(checkpoint: Checkpoint) -> bool:
-    """Whether the checkpoint says which modules are add_zero_attn: slim_mha wrote it, and records them.
-    A stock checkpoint cannot: its modules' flag is unknown unless the user marks them."""
-    return bool(checkpoint.recorded("slim_mha.format_version"))
 
 
 def _unchanged(plans: list[ModulePlan]) -> str:

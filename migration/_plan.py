@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from slim_mha.bias import (
-    BIAS_NAMES, SlimBiases, fold_key_bias, fold_value_bias_into_output, keeps_key_bias, unfold_key_bias, zero_key_bias,
+    BIAS_NAMES,
+    SlimBiases,
+    fold_key_bias,
+    fold_value_bias_into_output,
+    keeps_key_bias,
+    unfold_key_bias,
+    zero_key_bias,
 )
 
 from ._checkpoint import FLOAT_DTYPES

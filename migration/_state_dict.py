@@ -15,10 +15,10 @@ from pathlib import Path
 from torch import Tensor
 
 from ._checkpoint import DTYPE_NAMES, Checkpoint, Shard, TensorRecord
-from ._migrate import _check_patterns, _zero_attn_modules
 from ._modules import find_attention_modules
 from ._plan import migrated_tensors, plan_module
 from ._text import with_article
+from ._zero_attn import check_patterns, zero_attn_modules
 
 __all__ = ["migrate_state_dict"]
 
@@ -50,7 +50,7 @@ def migrate_state_dict(
         )
     checkpoint = Checkpoint(source=shard.path, kind="torch", shards=[shard])
     groups = find_attention_modules(checkpoint)
-    marked = _zero_attn_modules(_check_patterns(zero_attn), groups, checkpoint)
+    marked = zero_attn_modules(check_patterns(zero_attn), groups, checkpoint)
     result = dict(state_dict)
     for group in groups:
         plan = plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)

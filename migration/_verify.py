@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from slim_mha._matrix import TOLERANCE
-from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias
 from slim_mha._torch_compat import STOCK_MHA
+from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias
 
 from ._text import option, shown
 from ._writer import OutputTensor

@@ -12,15 +12,21 @@ disk at that moment: nothing new, or DST written completely (see ``_staging.Jour
 from __future__ import annotations
 
 import argparse
-import difflib
 import contextlib
+import difflib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
-from . import fold_checkpoint, format_report, inspect_checkpoint, strip_checkpoint, to_stock_checkpoint
+from . import (
+    fold_checkpoint,
+    format_report,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
 from ._staging import Journal, journal
 from ._text import cli_spelling, shown
 
