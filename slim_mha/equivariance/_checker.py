@@ -29,6 +29,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from . import _context
+from ._inputs import (
+    SAME_AS_DIM,
+    InputPlan,
+    checked_permutation,
+    input_plan,
+    output_dims,
+    permute_inputs,
+)
 from ._locate import (
     Culprit,
     SubmoduleCheck,
@@ -41,7 +49,6 @@ from ._measure import (
     EquivarianceError,
     TensorError,
     draw_permutation,
-    format_indices,
     measure_error,
     permute,
 )
@@ -50,7 +57,6 @@ from ._report import (
     PermutationErrors,
     blamed_module,
     format_permutation_error,
-    format_shape,
     subject_of,
 )
 
@@ -78,14 +84,6 @@ _DROPOUT_TYPES = (
     nn.FeatureAlphaDropout,
     nn.MultiheadAttention,
 )
-
-
-class _SameAsDim:
-    def __repr__(self) -> str:
-        return "<same as dim>"
-
-
-SAME_AS_DIM = _SameAsDim()
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -166,13 +164,13 @@ class CheckedCall:
 
 def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, submodules: bool) -> PermutationErrors:
     """Run ``call`` on its inputs and on permuted inputs, and measure every output's error."""
-    plan = _input_plan(call.dim, call.inputs)
+    plan = input_plan(call.dim, call.inputs)
     if permutation is None:
         permutation = draw_permutation(plan.length, seed)
     else:
-        permutation, seed = _checked_permutation(permutation, plan.length), None
+        permutation, seed = checked_permutation(permutation, plan.length), None
     module, fn, kwargs = call.module, call.fn, call.kwargs
-    permuted = _permute_inputs(call.inputs, plan, permutation)
+    permuted = permute_inputs(call.inputs, plan, permutation)
     wraps_module = (fn is not module) if call.wraps_module is None else call.wraps_module
     record = module if submodules else None
 
@@ -196,7 +194,7 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
             f"fn's output holds no tensor to compare ({found}); return the tensors that should follow the "
             "permutation, in tuples, lists, dicts, dataclasses or plain objects"
         )
-    expected_dims = _output_dims(call.output_dim, call.dim, plan.dims, reference_leaves, plan.length)
+    expected_dims = output_dims(call.output_dim, call.dim, plan.dims, reference_leaves, plan.length)
     scale = _input_scale(call.inputs, plan)
     outputs = tuple(
         _check_output(name, actual, expected, dims, plan.length, permutation, scale)
@@ -248,7 +246,7 @@ def _check_other_output(name: str, actual, expected) -> OutputCheck:
     return OutputCheck(name, error, ())
 
 
-def _input_scale(inputs: tuple, plan: "_InputPlan") -> float:
+def _input_scale(inputs: tuple, plan: "InputPlan") -> float:
     """The largest finite magnitude among the floating-point inputs that the permutation moves."""
     scale = 0.0
     for x, dims in zip(inputs, plan.dims):
@@ -354,205 +352,6 @@ def error_for(call: CheckedCall, result: PermutationErrors, tolerance: float | N
 
 
 # ------------------------------------------------------------------------------ the arguments
-
-
-INDICES = "indices"  # a dim entry: the input holds token indices, relabelled by the permutation
-
-
-@dataclass(frozen=True)
-class _InputPlan:
-    """What a permutation does to each input.
-
-    dims: the axes each input is moved along (``()``: not moved). relabelled: the inputs that hold
-    token indices (``edge_index``): each value ``i`` becomes the new position of token ``i``.
-    length: the number of tokens.
-    """
-
-    dims: tuple[tuple[int, ...], ...]
-    relabelled: tuple[int, ...]
-    length: int
-
-
-def _input_plan(dim, inputs: tuple) -> _InputPlan:
-    """The input rules.
-
-    An int ``dim`` moves every floating-point, complex or boolean tensor input along that axis. An
-    integer tensor input is moved too when that axis has the number of tokens (token ids, a node's
-    graph in a batch), and otherwise holds token indices (``edge_index``, a gather index) and is
-    relabelled. A sequence gives each input its entry: an axis, a tuple of axes, ``"indices"`` to
-    relabel, or ``None`` to pass it unchanged.
-    """
-    if not inputs:
-        raise ValueError("no inputs given: pass the tensors to permute after fn, e.g. (fn, x, dim=1)")
-    if dim is None:
-        raise ValueError("dim=None permutes nothing: pass the token axis, as an int or one entry per input")
-    if isinstance(dim, int) and not isinstance(dim, bool):
-        return _plan_for_one_axis(dim, inputs)
-    if not (isinstance(dim, Sequence) and not isinstance(dim, str)):
-        raise ValueError(f"dim must be an int or a sequence with one entry per input, got {dim!r}")
-    if len(dim) != len(inputs):
-        raise ValueError(
-            f"dim has {len(dim)} entries but {len(inputs)} inputs were given: pass one entry per "
-            "input (None for an input that is not permuted), or a single int for all of them"
-        )
-    dims, relabelled = [], []
-    for index, (x, entry) in enumerate(zip(inputs, dim)):
-        where = f"dim[{index}]"
-        if entry is not None and not isinstance(x, Tensor):
-            raise ValueError(
-                f"{where}={entry!r} but input {index} is a {type(x).__name__}, not a tensor: pass None for it"
-            )
-        if entry == INDICES:
-            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise ValueError(
-                    f"{where}={INDICES!r} but input {index} is {x.dtype}: only integer tensors hold token indices"
-                )
-            relabelled.append(index)
-            dims.append(())
-        else:
-            dims.append(_axes_of(entry, None if x is None else getattr(x, "ndim", None),
-                                 f"{where} for input {index} {_shape_of(x)}"))
-    plan = _InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
-    _check_indices(inputs, plan)
-    return plan
-
-
-def _plan_for_one_axis(dim: int, inputs: tuple) -> _InputPlan:
-    def integer(x) -> bool:
-        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-
-    tensors = [(index, x) for index, x in enumerate(inputs) if isinstance(x, Tensor)]
-    if not tensors:
-        raise ValueError("no input is a tensor: dim=int permutes the tensor inputs, and there is none")
-    # The number of tokens: from the first non-integer input, else from the first integer one.
-    first_index, first = next(((index, x) for index, x in tensors if not integer(x)), tensors[0])
-    first_axes = _axes_of(dim, first.ndim, f"dim for input {first_index} {_shape_of(first)}")
-    length = first.shape[first_axes[0]]
-    dims: list[tuple[int, ...]] = [() for _ in inputs]
-    relabelled = []
-    for index, x in tensors:
-        if integer(x) and not -x.ndim <= dim < x.ndim:
-            continue  # no token axis at all (a class label per sample): not token indices, left as it is
-        if integer(x) and x.shape[dim] != length:
-            relabelled.append(index)
-        else:
-            dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")
-    plan = _InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
-    _check_indices(inputs, plan)
-    return plan
-
-
-def _check_indices(inputs: tuple, plan: _InputPlan) -> None:
-    """Relabelled inputs must hold token indices: every value in ``0..length-1``."""
-    for index in plan.relabelled:
-        x = inputs[index]
-        if x.numel() == 0:
-            continue
-        low, high = (int(v) for v in torch.stack([x.min(), x.max()]).tolist())
-        if low < 0 or high >= plan.length:
-            raise ValueError(
-                f"input {index} {_shape_of(x)} {str(x.dtype).removeprefix('torch.')} is read as token indices "
-                f"(an integer tensor without {plan.length} tokens along the permuted axis), so a permutation "
-                f"relabels its values, but they run from {low} to {high}, outside 0..{plan.length - 1}: pass dim "
-                "with one entry per input, None for an input to leave unchanged"
-            )
-
-
-def _shape_of(x) -> str:
-    return format_shape(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
-
-
-def _axes_of(entry, ndim: int | None, where: str) -> tuple[int, ...]:
-    if entry is None:
-        return ()
-    axes = (entry,) if isinstance(entry, int) else tuple(entry)
-    normalized = []
-    for axis in axes:
-        if not isinstance(axis, int) or not -ndim <= axis < ndim:
-            raise ValueError(f"{where}: axis {axis!r} is out of range for a tensor with {ndim} dimensions")
-        if axis % ndim not in normalized:
-            normalized.append(axis % ndim)
-    return tuple(normalized)
-
-
-def _token_count(inputs: tuple, input_dims: tuple[tuple[int, ...], ...]) -> int:
-    lengths = [
-        (index, axis, inputs[index].shape[axis]) for index, dims in enumerate(input_dims) for axis in dims
-    ]
-    if not lengths:
-        raise ValueError("no input is permuted: give at least one tensor input a token axis in dim")
-    first = lengths[0]
-    for other in lengths[1:]:
-        if other[2] != first[2]:
-            raise ValueError(
-                f"permuted axes have different lengths: input {first[0]} dim {first[1]} has {first[2]} tokens, "
-                f"input {other[0]} dim {other[1]} has {other[2]}; one permutation moves one set of tokens, so "
-                "check sets of different sizes separately (None in dim for the fixed ones)"
-            )
-    if first[2] < 2:
-        raise ValueError(f"the permuted axes have {first[2]} token(s): a permutation needs at least 2 to move anything")
-    return first[2]
-
-
-def _checked_permutation(permutation, length: int) -> Tensor:
-    permutation = torch.as_tensor(permutation).to("cpu", torch.int64)
-    if permutation.shape != (length,) or not torch.equal(permutation.sort().values, torch.arange(length)):
-        raise ValueError(
-            f"permutation must contain each of 0..{length - 1} exactly once (the inputs have {length} tokens), "
-            f"got {format_indices(permutation.reshape(-1))}"
-        )
-    return permutation
-
-
-def _output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[tuple[int, ...]]:
-    if output_dim is SAME_AS_DIM:
-        output_dim = dim if isinstance(dim, int) else next(dims for dims in input_dims if dims)
-        entries = [output_dim] * len(leaves)
-    elif output_dim is None or isinstance(output_dim, int):
-        entries = [output_dim] * len(leaves)
-    elif isinstance(output_dim, Sequence) and len(output_dim) == len(leaves):
-        entries = list(output_dim)
-    else:
-        names = [name for name, _ in leaves]
-        raise ValueError(
-            f"output_dim={output_dim!r} does not fit the {len(leaves)} returned element(s) {names}: pass an int "
-            "or None for all of them, or a sequence with one entry per returned element"
-        )
-    result = []
-    for (name, leaf), entry in zip(leaves, entries):
-        if not isinstance(leaf, Tensor):
-            result.append(())
-            continue
-        axes = _axes_of(entry, leaf.dim(), f"output_dim for {name} {format_shape(tuple(leaf.shape))}")
-        for axis in axes:
-            if leaf.shape[axis] != length:
-                raise ValueError(
-                    f"{name} has shape {format_shape(tuple(leaf.shape))}: dim {axis} has {leaf.shape[axis]} entries but "
-                    f"the inputs have {length} tokens; pass output_dim with the axes that carry the tokens, "
-                    "or None for an output that should not change"
-                )
-        result.append(axes)
-    return result
-
-
-def _permute_inputs(inputs: tuple, plan: _InputPlan, permutation: Tensor) -> tuple:
-    # Permute a tensor passed twice once, so `query is key` holds in the permuted call as well.
-    done: dict[tuple[int, tuple[int, ...]], Tensor] = {}
-    new_position = torch.empty_like(permutation)
-    new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
-    permuted = []
-    for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
-        if index in plan.relabelled:
-            permuted.append(new_position.to(x.device, x.dtype)[x])
-            continue
-        if not dims:
-            permuted.append(x)
-            continue
-        cache_key = (id(x), dims)
-        if cache_key not in done:
-            done[cache_key] = permute(x.detach(), dims, permutation)
-        permuted.append(done[cache_key])
-    return tuple(permuted)
 
 
 def _module_of(fn: Callable) -> nn.Module | None:

@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from .._call import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
-from ._checker import SAME_AS_DIM
 from ._context import is_rerunning, naming, qualified_name, type_name
+from ._inputs import SAME_AS_DIM
 from ._measure import (
     EquivarianceError,
     TensorError,

@@ -36,8 +36,9 @@ from torch.utils import _pytree as pytree
 
 from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
 from . import _context
-from ._checker import INDICES, SAME_AS_DIM, CheckedCall, error_for, measure
+from ._checker import CheckedCall, error_for, measure
 from ._context import type_name
+from ._inputs import INDICES, SAME_AS_DIM
 from ._measure import EquivarianceError
 
 __all__ = ["ModelCheck", "check_dim", "check_model_options"]

@@ -1,0 +1,234 @@
+"""The checked call's inputs: which axes of which inputs hold the tokens, and moving them.
+
+``dim`` names, per input, the axes the permutation moves (or ``"indices"`` for an input of token
+indices, which it relabels); the outputs' axes follow ``output_dim`` or, by default, the inputs'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._measure import format_indices, permute
+from ._report import format_shape
+
+__all__ = [
+    "INDICES",
+    "SAME_AS_DIM",
+    "InputPlan",
+    "checked_permutation",
+    "input_plan",
+    "output_dims",
+    "permute_inputs",
+]
+
+
+class _SameAsDim:
+    def __repr__(self) -> str:
+        return "<same as dim>"
+
+
+# output_dim's default: the outputs' token axes follow the inputs'.
+SAME_AS_DIM = _SameAsDim()
+
+
+INDICES = "indices"  # a dim entry: the input holds token indices, relabelled by the permutation
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """What a permutation does to each input.
+
+    dims: the axes each input is moved along (``()``: not moved). relabelled: the inputs that hold
+    token indices (``edge_index``): each value ``i`` becomes the new position of token ``i``.
+    length: the number of tokens.
+    """
+
+    dims: tuple[tuple[int, ...], ...]
+    relabelled: tuple[int, ...]
+    length: int
+
+
+def input_plan(dim, inputs: tuple) -> InputPlan:
+    """The input rules.
+
+    An int ``dim`` moves every floating-point, complex or boolean tensor input along that axis. An
+    integer tensor input is moved too when that axis has the number of tokens (token ids, a node's
+    graph in a batch), and otherwise holds token indices (``edge_index``, a gather index) and is
+    relabelled. A sequence gives each input its entry: an axis, a tuple of axes, ``"indices"`` to
+    relabel, or ``None`` to pass it unchanged.
+    """
+    if not inputs:
+        raise ValueError("no inputs given: pass the tensors to permute after fn, e.g. (fn, x, dim=1)")
+    if dim is None:
+        raise ValueError("dim=None permutes nothing: pass the token axis, as an int or one entry per input")
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        return _plan_for_one_axis(dim, inputs)
+    if not (isinstance(dim, Sequence) and not isinstance(dim, str)):
+        raise ValueError(f"dim must be an int or a sequence with one entry per input, got {dim!r}")
+    if len(dim) != len(inputs):
+        raise ValueError(
+            f"dim has {len(dim)} entries but {len(inputs)} inputs were given: pass one entry per "
+            "input (None for an input that is not permuted), or a single int for all of them"
+        )
+    dims, relabelled = [], []
+    for index, (x, entry) in enumerate(zip(inputs, dim)):
+        where = f"dim[{index}]"
+        if entry is not None and not isinstance(x, Tensor):
+            raise ValueError(
+                f"{where}={entry!r} but input {index} is a {type(x).__name__}, not a tensor: pass None for it"
+            )
+        if entry == INDICES:
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise ValueError(
+                    f"{where}={INDICES!r} but input {index} is {x.dtype}: only integer tensors hold token indices"
+                )
+            relabelled.append(index)
+            dims.append(())
+        else:
+            dims.append(_axes_of(entry, None if x is None else getattr(x, "ndim", None),
+                                 f"{where} for input {index} {_shape_of(x)}"))
+    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+    _check_indices(inputs, plan)
+    return plan
+
+
+def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
+    def integer(x) -> bool:
+        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+    tensors = [(index, x) for index, x in enumerate(inputs) if isinstance(x, Tensor)]
+    if not tensors:
+        raise ValueError("no input is a tensor: dim=int permutes the tensor inputs, and there is none")
+    # The number of tokens: from the first non-integer input, else from the first integer one.
+    first_index, first = next(((index, x) for index, x in tensors if not integer(x)), tensors[0])
+    first_axes = _axes_of(dim, first.ndim, f"dim for input {first_index} {_shape_of(first)}")
+    length = first.shape[first_axes[0]]
+    dims: list[tuple[int, ...]] = [() for _ in inputs]
+    relabelled = []
+    for index, x in tensors:
+        if integer(x) and not -x.ndim <= dim < x.ndim:
+            continue  # no token axis at all (a class label per sample): not token indices, left as it is
+        if integer(x) and x.shape[dim] != length:
+            relabelled.append(index)
+        else:
+            dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")
+    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+    _check_indices(inputs, plan)
+    return plan
+
+
+def _check_indices(inputs: tuple, plan: InputPlan) -> None:
+    """Relabelled inputs must hold token indices: every value in ``0..length-1``."""
+    for index in plan.relabelled:
+        x = inputs[index]
+        if x.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.stack([x.min(), x.max()]).tolist())
+        if low < 0 or high >= plan.length:
+            raise ValueError(
+                f"input {index} {_shape_of(x)} {str(x.dtype).removeprefix('torch.')} is read as token indices "
+                f"(an integer tensor without {plan.length} tokens along the permuted axis), so a permutation "
+                f"relabels its values, but they run from {low} to {high}, outside 0..{plan.length - 1}: pass dim "
+                "with one entry per input, None for an input to leave unchanged"
+            )
+
+
+def _shape_of(x) -> str:
+    return format_shape(tuple(x.shape)) if isinstance(x, Tensor) else type(x).__name__
+
+
+def _axes_of(entry, ndim: int | None, where: str) -> tuple[int, ...]:
+    if entry is None:
+        return ()
+    axes = (entry,) if isinstance(entry, int) else tuple(entry)
+    normalized = []
+    for axis in axes:
+        if not isinstance(axis, int) or not -ndim <= axis < ndim:
+            raise ValueError(f"{where}: axis {axis!r} is out of range for a tensor with {ndim} dimensions")
+        if axis % ndim not in normalized:
+            normalized.append(axis % ndim)
+    return tuple(normalized)
+
+
+def _token_count(inputs: tuple, input_dims: tuple[tuple[int, ...], ...]) -> int:
+    lengths = [
+        (index, axis, inputs[index].shape[axis]) for index, dims in enumerate(input_dims) for axis in dims
+    ]
+    if not lengths:
+        raise ValueError("no input is permuted: give at least one tensor input a token axis in dim")
+    first = lengths[0]
+    for other in lengths[1:]:
+        if other[2] != first[2]:
+            raise ValueError(
+                f"permuted axes have different lengths: input {first[0]} dim {first[1]} has {first[2]} tokens, "
+                f"input {other[0]} dim {other[1]} has {other[2]}; one permutation moves one set of tokens, so "
+                "check sets of different sizes separately (None in dim for the fixed ones)"
+            )
+    if first[2] < 2:
+        raise ValueError(f"the permuted axes have {first[2]} token(s): a permutation needs at least 2 to move anything")
+    return first[2]
+
+
+def checked_permutation(permutation, length: int) -> Tensor:
+    permutation = torch.as_tensor(permutation).to("cpu", torch.int64)
+    if permutation.shape != (length,) or not torch.equal(permutation.sort().values, torch.arange(length)):
+        raise ValueError(
+            f"permutation must contain each of 0..{length - 1} exactly once (the inputs have {length} tokens), "
+            f"got {format_indices(permutation.reshape(-1))}"
+        )
+    return permutation
+
+
+def output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[tuple[int, ...]]:
+    if output_dim is SAME_AS_DIM:
+        output_dim = dim if isinstance(dim, int) else next(dims for dims in input_dims if dims)
+        entries = [output_dim] * len(leaves)
+    elif output_dim is None or isinstance(output_dim, int):
+        entries = [output_dim] * len(leaves)
+    elif isinstance(output_dim, Sequence) and len(output_dim) == len(leaves):
+        entries = list(output_dim)
+    else:
+        names = [name for name, _ in leaves]
+        raise ValueError(
+            f"output_dim={output_dim!r} does not fit the {len(leaves)} returned element(s) {names}: pass an int "
+            "or None for all of them, or a sequence with one entry per returned element"
+        )
+    result = []
+    for (name, leaf), entry in zip(leaves, entries):
+        if not isinstance(leaf, Tensor):
+            result.append(())
+            continue
+        axes = _axes_of(entry, leaf.dim(), f"output_dim for {name} {format_shape(tuple(leaf.shape))}")
+        for axis in axes:
+            if leaf.shape[axis] != length:
+                raise ValueError(
+                    f"{name} has shape {format_shape(tuple(leaf.shape))}: dim {axis} has {leaf.shape[axis]} entries but "
+                    f"the inputs have {length} tokens; pass output_dim with the axes that carry the tokens, "
+                    "or None for an output that should not change"
+                )
+        result.append(axes)
+    return result
+
+
+def permute_inputs(inputs: tuple, plan: InputPlan, permutation: Tensor) -> tuple:
+    # Permute a tensor passed twice once, so `query is key` holds in the permuted call as well.
+    done: dict[tuple[int, tuple[int, ...]], Tensor] = {}
+    new_position = torch.empty_like(permutation)
+    new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
+    permuted = []
+    for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
+        if index in plan.relabelled:
+            permuted.append(new_position.to(x.device, x.dtype)[x])
+            continue
+        if not dims:
+            permuted.append(x)
+            continue
+        cache_key = (id(x), dims)
+        if cache_key not in done:
+            done[cache_key] = permute(x.detach(), dims, permutation)
+        permuted.append(done[cache_key])
+    return tuple(permuted)
