@@ -106,10 +106,11 @@ def stock_kernel(
     out_proj_weight: Tensor,
     out_proj_bias: Tensor,
     need_weights: bool,
+    average: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Stock's native kernel on batch-first self-attention ``query`` ``(B, L, E)`` without masks:
-    the output ``(B, L, E)`` and, with ``need_weights``, every head's weights ``(B, H, L, L)``, not
-    averaged (``None`` without).
+    the output ``(B, L, E)`` and, with ``need_weights``, the weights: every head's ``(B, H, L, L)``,
+    or with ``average`` their mean over heads ``(B, L, L)`` as the kernel takes it (``None`` without).
 
     Private: ``torch._native_multi_head_attention`` (no autograd), the op stock's ``forward`` calls,
     with the same arguments, on its fast path (batch-first self-attention, even head count, no
@@ -118,5 +119,5 @@ def stock_kernel(
     embed_dim = query.shape[2]
     return torch._native_multi_head_attention(
         query, query, query, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        None, need_weights, False,
+        None, need_weights, average,
     )

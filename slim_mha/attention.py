@@ -166,18 +166,22 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def _stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks
         (a sequence-first query goes in as a transposed view, its output comes back in stock's
-        layout). With weights, every head's weights come back and slim averages them in one
-        batched product, where stock's average takes three passes."""
+        layout). With averaged weights in fp32, every head's weights come back and slim averages
+        them in one batched product, where stock's average takes three passes."""
         query, need_weights, average = call.query, call.need_weights, call.average_attn_weights
         bias = without_key_bias_eager(self.in_proj_bias)
         if not self.batch_first:  # (L, B, E): the kernel takes it batch-first, as a view
             query = query.transpose(0, 1)
+        # In fp32 slim's one batched product averages faster than the kernel's three passes; in
+        # reduced precision the kernel's own average is faster (benchmarks/RESULTS.md, "Paths").
+        own_average = average and query.dtype == torch.float32
         out, weights = stock_kernel(
-            query, self.num_heads, self.in_proj_weight, bias, self.out_proj.weight, self.out_proj.bias, need_weights
-        )  # (B, L, E), (B, H, L, L) or None
+            query, self.num_heads, self.in_proj_weight, bias, self.out_proj.weight, self.out_proj.bias, need_weights,
+            average and not own_average,
+        )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
-        if weights is not None and average:
+        if weights is not None and own_average:
             weights = mean_over_heads(weights)
         return out, weights
 

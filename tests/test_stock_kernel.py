@@ -251,3 +251,24 @@ def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, mo
         with pytest.raises(AssertionError):
             assert_like_stock(stock, slim, x, x, x)
     assert len(kernel_calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_in_reduced_precision_the_kernel_averages_the_weights_as_stocks_does(dtype, batch_first, monkeypatch):
+    """In bf16 and fp16 the kernel's own average is the faster one, so slim asks the kernel for it
+    (its own batched average is never called), and the call is stock's bit for bit where stock runs
+    the same kernel (batch-first), weights included."""
+    monkeypatch.setattr(attention, "mean_over_heads", lambda weights: pytest.fail("slim averaged the weights itself"))
+    stock = randomize_parameters(STOCK_MHA(64, 4, batch_first=True, dtype=dtype)).eval()
+    slim = SlimMultiheadAttention(64, 4, batch_first=batch_first, dtype=dtype).eval()
+    slim.load_state_dict(stock.state_dict())
+    with torch.no_grad():
+        stock.in_proj_bias[64:128].zero_()  # stock's kernel given the key bias slim leaves out
+    x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
+    with torch.inference_mode():
+        expected = stock(x, x, x)
+        query = x if batch_first else x.transpose(0, 1)
+        out, weights = slim(query, query, query)
+    torch.testing.assert_close(out if batch_first else out.transpose(0, 1), expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights, expected[1], rtol=0, atol=0)
