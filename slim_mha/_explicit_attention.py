@@ -13,7 +13,7 @@ Every step is one batched call over all heads, so the number of ops per call doe
 number of heads or the length. That matters beyond CUDA launches: on a CPU shared with other
 processes each multi-threaded op ends at a barrier where it waits for its slowest thread, and that
 thread waits for a core, so the time of a call beside a busy process grows with the number of such
-ops far more than with their size (benchmarks/RESULTS.md). The blocks pay it once per block.
+ops far more than with their size (benchmarks/RESULTS.md, in its git history). The blocks pay it once per block.
 """
 
 from __future__ import annotations
