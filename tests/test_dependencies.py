@@ -135,3 +135,14 @@ def test_no_import_cycles_counting_imports_inside_functions():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    """pyproject.toml lists packages by hand: a folder left off would install from a checkout and be
+    missing from the wheel users install."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        ".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "slim_mha").rglob("__init__.py")
+    } | {"slim_mha.migration" for path in (ROOT / "migration").glob("__init__.py")}
+    assert set(setuptools["packages"]) == folders
+    assert setuptools["package-dir"] == {"slim_mha.migration": "migration"}
