@@ -35,7 +35,6 @@ __all__ = [
     "mean_over_heads",
     "plan_weights_path",
     "query_scale",
-    "scaled_heads",
 ]
 
 # Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
@@ -203,13 +202,6 @@ def _batched_mask(mask: Tensor, batch: int, heads: int) -> Tensor:
 def query_scale(head_dim: int) -> float:
     """``1/sqrt(D)``, computed as stock computes it, so that scaled queries are stock's bit for bit."""
     return math.sqrt(1.0 / float(head_dim))
-
-
-def scaled_heads(q: Tensor) -> Tensor:
-    """``q / sqrt(D)``, ``(B, H, L, D)`` contiguous: what :func:`attention_with_weights` takes with
-    ``q_scaled=True`` and may write into. Without a graph only."""
-    B, H, L, D = q.shape
-    return _scaled_matrices(q).view(B, H, L, D)
 
 
 def _scaled_matrices(q: Tensor) -> Tensor:

@@ -12,7 +12,6 @@ from ._explicit_attention import (
     attention_with_weights,
     mean_over_heads,
     query_scale,
-    scaled_heads,
 )
 from ._heads import merge_heads, split_heads
 from ._stock_checks import (
@@ -291,8 +290,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return F.linear(x, weight, bias)
 
         def queries(projected: Tensor) -> Tensor:
-            (q,) = split_heads(projected, 1, H, batch_first)
-            return scaled_heads(q) if one_pass else q  # the one-pass path's scaled copy, made here
+            if one_pass:  # the projection is ours: scaled in place, then copied head-major in one op
+                projected.mul_(query_scale(E // H))
+            (q,) = split_heads(projected, 1, H, batch_first, contiguous=one_pass)
+            return q
 
         # Parts are passed, not read off weight.shape: under jit.trace a size read becomes a graph
         # value, and its conversion back to int lands at different places in the two traces.
