@@ -2,11 +2,11 @@
 
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations, unless the call is one that stock's own kernel takes (unmasked
-self-attention without a graph: ``SlimMultiheadAttention._attend_plain``).
+self-attention without a graph: the "stock kernel" path of :func:`slim_mha.paths.choose_path`).
 
-Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked and
-softmaxed in place and averaged by one batched product: what stock's native kernel holds, and no
-more. Only where that one pass would not fit in the memory this process can get does the memory
+Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked,
+softmaxed (in place where they are large: :func:`_softmax_last`) and averaged by one batched
+product: what stock's native kernel holds, and no more. Only where that one pass would not fit in the memory this process can get does the memory
 guard (``_memory_guard.rows_per_block``) cut the averaged weights into blocks of query rows.
 
 Every step is one batched call over all heads, so the number of ops per call does not grow with the

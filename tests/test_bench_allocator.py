@@ -1,4 +1,4 @@
-"""The benchmark's allocator control and page-fault counter (slim_mha/bench/allocator.py). Never timings."""
+"""The benchmark's allocator control and page-fault counter (slim_mha/bench/measure/allocator.py). Never timings."""
 
 from __future__ import annotations
 

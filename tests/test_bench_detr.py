@@ -1,4 +1,4 @@
-"""The DETR case of the benchmark (slim_mha/bench/detr.py) at a tiny size: what it prints and records.
+"""The DETR case of the benchmark (slim_mha/bench/detr/layer.py) at a tiny size: what it prints and records.
 
 Its weights-path counts are tested in tests/test_unread_weights.py.
 Never timings: only that they were taken, interleaved, with their paired ratios.

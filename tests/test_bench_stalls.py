@@ -1,5 +1,5 @@
 """The benchmark never prints a ratio of stalls: a stalled case is measured again, and flagged if it
-still is (slim_mha/bench/timing.py). The stalls are injected: a sleep inside timed calls."""
+still is (slim_mha/bench/measure/timing.py). The stalls are injected: a sleep inside timed calls."""
 
 from __future__ import annotations
 

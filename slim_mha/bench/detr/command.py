@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "detr",
         help="DETR's decoder layer: stock, slim, slim with skip_unread_weights=True",
         description="Time DETR's decoder layer (L=100, S=950, E=256, H=8, B=2) with stock, slim and slim with\n"
-        "skip_unread_weights=True, in inference and training (slim_mha/bench/detr.py).",
+        "skip_unread_weights=True, in inference and training (slim_mha/bench/detr/layer.py).",
         examples=_EXAMPLES,
     )
     add_device_option(parser)

@@ -2,7 +2,7 @@
 
 Each case checks that the contenders agree, measures their memory, then times them interleaved:
 first with the C allocator cold (every call faults its memory in; page faults per call), then warm
-(buffers reused: the compute ratio). ``allocator.py`` says how each state is set and why.
+(buffers reused: the compute ratio). ``measure/allocator.py`` says how each state is set and why.
 """
 
 from __future__ import annotations

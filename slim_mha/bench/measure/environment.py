@@ -13,12 +13,21 @@ import torch
 from ... import __version__
 from .allocator import describe_allocator
 
-__all__ = ["describe_environment", "load_average"]
+__all__ = ["describe_environment", "load_average", "load_averages"]
 
 
 def load_average() -> float | None:
+    """The 1-minute load average; ``None`` where the system has none."""
     try:
         return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def load_averages() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages, to two decimals; ``None`` where the system has none."""
+    try:
+        return [round(load, 2) for load in os.getloadavg()]
     except OSError:
         return None
 

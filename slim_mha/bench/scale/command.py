@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..measure.environment import describe_environment
+from ..measure.environment import describe_environment, load_averages
 from ..measure.options import subcommand
 from ..measure.output import write_json
 from .cases import (
@@ -25,7 +25,7 @@ from .cases import (
 from .memory import default_memory_cap
 from .plot import plot_scale
 from .report import fit_line, format_cell, format_markdown, format_mib, format_table
-from .sweep import load_average, run_sweep
+from .sweep import run_sweep
 
 __all__ = ["add_parser", "run"]
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "environment": describe_environment(torch.device(settings.device)),
         "settings": asdict(settings),
         "tokens": tokens,
-        "load_before": load_average(),
+        "load_before": load_averages(),
         "cases": [],
         "stops": {},
         "notes": [],
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # over every N first: even a short budget then records stock's OOM point and slim's largest N.
     lead = len(args.contender or CONTENDERS)
     result = run_sweep(series_list, tokens, settings, lead=lead, on_case=on_case)
-    payload.update(stops=result["stops"], elapsed_s=result["elapsed_s"], load_after=load_average())
+    payload.update(stops=result["stops"], elapsed_s=result["elapsed_s"], load_after=load_averages())
     if not args.no_plot:
         payload["notes"].append(plot_scale(payload, args.plot or json_path.with_suffix(".png")))
     markdown_path = args.markdown or json_path.with_suffix(".md")

@@ -11,9 +11,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..measure.environment import load_averages
 from .cases import OOM_MESSAGES, RESULT_MARKER, Series, Settings
 
-__all__ = ["load_average", "run_sweep"]
+__all__ = ["run_sweep"]
 
 
 def _run_child(series: Series, tokens: int, settings: Settings) -> dict:
@@ -108,7 +109,7 @@ def run_sweep(
         elif series in stops or _stop_for_time(stops, series, measured[series], n, settings):
             record.update(status="skipped", detail=stops[series])
         else:
-            record["load_average"] = load_average()
+            record["load_average"] = load_averages()
             record.update(run_case(series, n, settings))
             if record["status"] == "ok":
                 measured[series].append(record)
@@ -119,10 +120,3 @@ def run_sweep(
             on_case(record)
     return {"cases": cases, "stops": {series.name: reason for series, reason in stops.items()},
             "elapsed_s": time.perf_counter() - started}
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(load, 2) for load in os.getloadavg()]
-    except OSError:
-        return None

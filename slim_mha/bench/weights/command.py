@@ -2,9 +2,9 @@
 
 Times stock (its native kernel), slim (the same kernel given ``[b_q; 0; b_v]``, then its own
 average over heads) and the floor (the bare score matmul, softmax, value matmul and mean over
-heads, with the projections: ``contenders.py``) interleaved, at the shapes of every weights case of
+heads, with the projections: ``matrix/contenders.py``) interleaved, at the shapes of every weights case of
 the quick matrix, beside ``--busy`` busy processes, with the allocator warm, cold or as inherited
-(``allocator.py``). Prints stock/slim and slim/floor both as the ratio of the medians and as the
+(``measure/allocator.py``). Prints stock/slim and slim/floor both as the ratio of the medians and as the
 median (with quartiles) of the per-repeat ratio, and each contender's peak memory. ``--one-pass``
 also times slim's own one-pass path, which it takes where stock's kernel does not apply (masks,
 odd head counts, cross-attention); ``--blocks N`` slim forced into N blocks of query rows,
