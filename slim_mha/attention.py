@@ -171,8 +171,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias = without_key_bias_eager(self.in_proj_bias)
         if not self.batch_first:  # (L, B, E): the kernel takes it batch-first, as a view
             query = query.transpose(0, 1)
-        # In fp32 slim's one batched product averages faster than the kernel's three passes; in
-        # reduced precision the kernel's own average is faster (benchmarks/RESULTS.md, "Paths").
+        # In fp32 slim's one batched product averages faster than the kernel's three passes; in bf16
+        # and fp16 the kernel's own average is faster (benchmarks/RESULTS.md, "Inference with
+        # averaged weights"), and other dtypes keep stock's own call.
         own_average = average and query.dtype == torch.float32
         out, weights = stock_kernel(
             query, self.num_heads, self.in_proj_weight, bias, self.out_proj.weight, self.out_proj.bias, need_weights,
