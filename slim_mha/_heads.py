@@ -1,15 +1,17 @@
 """Heads as views: a projection split into per-head ``(B, H, L, D)`` tensors and merged back.
 
 Shared by slim's own path and its short path without weights; the layouts follow the caller's
-(batch-first or sequence-first), so no transpose of the inputs is ever made.
+(batch-first or sequence-first), so no transpose of the inputs is ever made. The path that runs stock's
+ops instead takes stock's layouts: :func:`sequence_first` and :func:`stock_projected_heads`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["merge_heads", "split_heads"]
+__all__ = ["merge_heads", "sequence_first", "split_heads", "stock_heads", "stock_projected_heads"]
 
 
 def split_heads(
@@ -46,3 +48,46 @@ def merge_heads(out: Tensor, batch_first: bool) -> Tensor:
     if batch_first:
         return out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
     return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
+
+
+def sequence_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch-first inputs as stock's Python path takes them, ``(len, B, E)`` views, made as stock makes
+    them: the call's ``query is key`` and ``key is value`` hold of the views as they held of the inputs."""
+    if key is not value:
+        return query.transpose(1, 0), key.transpose(1, 0), value.transpose(1, 0)
+    transposed = query.transpose(1, 0)
+    key = transposed if query is key else key.transpose(1, 0)
+    return transposed, key, key
+
+
+def stock_heads(projected: Tensor, parts: int, num_heads: int) -> tuple[Tensor, ...]:
+    """A sequence-first projection ``(len, B, parts*E)`` -> ``parts`` tensors ``(B·H, len, D)``, laid
+    out as stock's Python path lays them out, in fewer ops than its chain of views.
+
+    One part is a view of the projection. Several are views of one copy ``(parts, len, B, E)``, the
+    copy stock makes: the same values, strides and offsets, so the products that follow round as
+    stock's do. Under autograd the parts' backward is one ``stack``, where stock's selects each fill
+    a gradient of the whole copy.
+    """
+    length, batch, width = projected.shape
+    head_dim = width // (parts * num_heads)
+    if parts == 1:
+        return (projected.view(length, batch * num_heads, head_dim).transpose(0, 1),)
+    laid_out = projected.view(length, batch, parts, width // parts).permute(2, 0, 1, 3).contiguous()
+    return laid_out.view(parts, length, batch * num_heads, head_dim).transpose(1, 2).unbind(0)
+
+
+def stock_projected_heads(
+    query: Tensor, key: Tensor, value: Tensor, weight: Tensor, bias: Tensor, num_heads: int
+) -> tuple[Tensor, ...]:
+    """Stock's in-projection of sequence-first inputs with the packed ``(3E, E)`` weight, q, k and v
+    ``(B·H, len, D)`` in its layout: one matmul for self-attention, one for the queries and one for
+    keys and values when ``key is value``, else one each, as stock fuses them."""
+    width = query.shape[2]
+    if query is key and key is value:
+        return stock_heads(F.linear(query, weight, bias), 3, num_heads)
+    if key is value:
+        (w_q, w_kv), (b_q, b_kv) = weight.split([width, 2 * width]), bias.split([width, 2 * width])
+        return (*stock_heads(F.linear(query, w_q, b_q), 1, num_heads), *stock_heads(F.linear(key, w_kv, b_kv), 2, num_heads))
+    parts = zip((query, key, value), weight.chunk(3), bias.chunk(3))
+    return tuple(stock_heads(F.linear(x, w, b), 1, num_heads)[0] for x, w, b in parts)

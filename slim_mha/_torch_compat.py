@@ -15,12 +15,13 @@ from torch import Tensor, nn
 __all__ = [
     "STOCK_ENCODER_LAYER",
     "STOCK_MHA",
+    "fx_proxy_of",
     "is_capturing_graph",
     "is_capturing_or_transforming",
-    "fx_proxy_of",
+    "is_symbolic_call",
     "stock_head_split",
     "stock_kernel",
-    "is_symbolic_call",
+    "takes_stock_heads",
 ]
 
 # torch's own class, captured when slim_mha is first imported, which is before anything can patch
@@ -96,6 +97,11 @@ def stock_head_split(projected: Tensor, bias: Tensor, num_heads: int) -> tuple[T
     """
     assert projected.numel() > 0, "stock_head_split needs a non-empty input"
     return torch._transform_bias_rescale_qkv(projected, bias, num_heads)
+
+
+def takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether :func:`stock_head_split` applies to a call without a graph: one dtype, a non-empty input."""
+    return query.numel() > 0 and weight.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
 
 
 def stock_kernel(

@@ -13,7 +13,7 @@ from ._explicit_attention import (
     mean_over_heads,
     query_scale,
 )
-from ._heads import merge_heads, split_heads
+from ._heads import merge_heads, sequence_first, split_heads, stock_projected_heads
 from ._stock_checks import (
     attention_mask,
     check_embed_dims,
@@ -35,6 +35,7 @@ from ._torch_compat import (
     is_symbolic_call,
     stock_head_split,
     stock_kernel,
+    takes_stock_heads,
 )
 from .bias import (
     key_bias,
@@ -64,9 +65,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
       appended key is ``bias_k - b_k``, with ``add_zero_attn`` the zero key is ``-b_k`` (see
       :mod:`slim_mha.bias`); ``b_k`` then trains as on stock.
     * **One owner of the path.** :func:`slim_mha.paths.choose_path` picks stock's native kernel
-      given ``[b_q; 0; b_v]`` where that is the floor, else slim's lean path: one fused projection,
-      heads as views in the caller's layout, ``scaled_dot_product_attention`` whenever weights are
-      not requested.
+      given ``[b_q; 0; b_v]`` where that is the floor, stock's ops given it for small calls with
+      weights, else slim's lean path: one fused projection, heads as views in the caller's layout,
+      ``scaled_dot_product_attention`` whenever weights are not requested.
 
     New options are keyword-only: ``check_equivariance`` (``None`` follows ``slim_mha.checking_equivariance()``
     and the ``SLIM_MHA_CHECK_EQUIVARIANCE`` environment variable) and ``check_equivariance_every``
@@ -184,6 +185,25 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if weights is not None and own_average:
             weights = mean_over_heads(weights)
         return out, weights
+
+    def _stock_ops(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        """Stock's Python path with weights and without masks, given ``[b_q; 0; b_v]``: its products,
+        softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
+        ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
+        their dictionaries: at the sizes this path takes, each attribute read is a percent of a call."""
+        query, key, value = sequence_first(*call[:3]) if self.batch_first else call[:3]
+        (length, batch, width), heads, p = query.shape, self.num_heads, self._parameters
+        bias = without_key_bias_eager(p["in_proj_bias"])
+        q, k, v = stock_projected_heads(query, key, value, p["in_proj_weight"], bias, heads)  # (B·H, len, D)
+        weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
+        if self.training and self.dropout > 0.0:
+            weights = F.dropout(weights, p=self.dropout)
+        out = torch.bmm(weights, v).transpose(0, 1).reshape(length * batch, width)  # stock's copy
+        out_p = self._modules["out_proj"]._parameters
+        # Rows as one matrix, as stock's: a 3-D input may add the bias after rounding (bf16)
+        out = F.linear(out, out_p["weight"], out_p["bias"]).view(length, batch, width)
+        weights = weights.view(batch, heads, length, k.shape[1])
+        return (out.transpose(1, 0) if self.batch_first else out), (weights.mean(dim=1) if call.average_attn_weights else weights)
 
     def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with slim's own options around it: weights skipped where the caller
@@ -307,7 +327,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             else:
                 packed = without_key_bias_eager(bias)
         if self_attention:  # one matmul
-            if one_pass and batch_first and _takes_stock_heads(query, weight, packed):
+            if one_pass and batch_first and takes_stock_heads(query, weight, packed):
                 if packed is None:
                     packed = weight.new_zeros(3 * E)
                 q, k, v = stock_head_split(F.linear(query, weight), packed, H)
@@ -377,6 +397,7 @@ _RUNS = {
     "traced": "_traced",
     "nested": "_stock_forward",
     "stock kernel": "_stock_kernel",
+    "stock ops": "_stock_ops",
     "plain": "_attend_without_weights",
 }
 
@@ -395,7 +416,3 @@ def slim_options(
         "skip_unread_weights": unread_weights.resolve_option(skip_unread_weights),
     }
 
-
-def _takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Stock's head split applies to a one-pass call (real tensors, no graph): one dtype, a non-empty input."""
-    return query.numel() > 0 and weight.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)

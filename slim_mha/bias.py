@@ -175,12 +175,14 @@ def without_key_bias_eager(in_proj_bias: Tensor) -> Tensor:
     price (24 µs against 11 µs, measured at ``E=256``); under autograd they are four more nodes of
     the backward. Traces and transforms use :func:`without_key_bias`, whose graph holds no constant.
     """
-    keep, zero = _key_slot_mask(in_proj_bias.shape[0], in_proj_bias.dtype, in_proj_bias.device)
+    # On the CPU the flag, not `.device`: building a device object costs a percent of a small call.
+    device = "cpu" if in_proj_bias.is_cpu else in_proj_bias.device
+    keep, zero = _key_slot_mask(in_proj_bias.shape[0], in_proj_bias.dtype, device)
     return torch.where(keep, in_proj_bias, zero)
 
 
 @functools.lru_cache(maxsize=64)
-def _key_slot_mask(packed: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+def _key_slot_mask(packed: int, dtype: torch.dtype, device: torch.device | str) -> tuple[Tensor, Tensor]:
     """``False`` on the key slot of a packed ``(3E,)`` bias and ``True`` elsewhere, with the zero put
     there: made once per size, dtype and device, outside autograd and inference mode."""
     E = packed // 3

@@ -17,7 +17,7 @@ from ._swap import FOLDED_VALUE_BIAS
 from ._torch_compat import is_symbolic_call
 from .equivariance import _mode as _equivariance
 
-__all__ = ["STOCK_KERNEL_MAX_SCORE_BYTES", "choose_path"]
+__all__ = ["STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
 
 # Self-attention without weights takes stock's native kernel where its scores fit in this many
 # bytes: there the kernel is faster and the memory slim saves is small. On the CPU in bf16 the
@@ -27,6 +27,15 @@ __all__ = ["STOCK_KERNEL_MAX_SCORE_BYTES", "choose_path"]
 STOCK_KERNEL_MAX_SCORE_BYTES = {
     ("cpu", torch.float32): 2 << 20,
     ("cpu", torch.bfloat16): 32 << 20,
+}
+
+# Calls with weights and without masks that stock's kernel does not take run stock's Python path op
+# for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes: there its few ops take
+# less time than slim's own path spends in Python. Above it slim's own path wins. Measured on the
+# CPU in fp32 and bf16; CUDA has not been measured and keeps slim's path (benchmarks/RESULTS.md, "Paths").
+STOCK_OPS_MAX_SCORE_BYTES = {
+    ("cpu", torch.float32): 256 << 10,
+    ("cpu", torch.bfloat16): 64 << 10,
 }
 
 
@@ -41,6 +50,8 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
       masks or a graph where stock's fast path would run it: with weights always (it is the floor),
       without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
       the CPU's autocast (where stock runs its kernel too);
+    * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
+      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`);
     * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
     * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
 
@@ -60,32 +71,59 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
         query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
         and state["_qkv_same_embed_dim"]
     )
-    if not plain:
-        return "slim", "masks or cross-attention"
+    # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
+    device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
+    why = _why_not_stock_kernel(module, query, device, need_weights) if plain else "masks or cross-attention"
+    if why in ("stock kernel", "plain"):
+        return why, ""
+    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
+    if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
+        score_bytes = _packed_score_bytes(module, query, key, value)
+        if score_bytes is not None and score_bytes <= largest:
+            return "stock ops", ""
+    return "slim", why
+
+
+def _why_not_stock_kernel(module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool) -> str:
+    """For plain self-attention: ``"stock kernel"`` or ``"plain"`` where one runs it, else why not."""
+    state = module.__dict__
     # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
     # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
     # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
-    autocast = torch.is_autocast_enabled(query.device.type)
-    if autocast and query.is_cuda:
-        return "slim", "autocast on CUDA, where stock runs its Python path"
+    autocast = torch.is_autocast_enabled(device)
+    if autocast and device == "cuda":
+        return "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
     if torch.is_grad_enabled() and (query.requires_grad or any(
         p is not None and p.requires_grad
         for p in (*module._parameters.values(), *module._modules["out_proj"]._parameters.values())
     )):
-        return "slim", "a graph is recorded"
+        return "a graph is recorded"
     if training and state["dropout"] > 0.0:
-        return "slim", "attention dropout"
+        return "attention dropout"
     kernel = not training and not state["num_heads"] % 2 and torch.backends.mha.get_fastpath_enabled()
     batch, length = query.shape[:2] if state["batch_first"] else (query.shape[1], query.shape[0])
     if need_weights:
         if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
-            return "stock kernel", ""
-        return "slim", "weights stock's fast path would not compute, or too large to check"
-    largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((query.device.type, query.dtype), -1)
+            return "stock kernel"
+        return "weights stock's fast path would not compute, or too large to check"
+    largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype), -1)
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
-        return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
-    return "plain", ""
+        return "stock kernel"  # under the CPU's autocast always: stock runs it there
+    return "plain"
+
+
+def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:
+    """The bytes of the scores of a batched call that stock's Python path would project with the
+    packed weight, every head's: ``B·H·L·S`` elements of the query's dtype. None where it would not, or
+    where stock's checks would refuse the key or value: slim's own path then raises stock's error."""
+    state, shape, key_shape = module.__dict__, query.shape, key.shape
+    if not state["_qkv_same_embed_dim"] or len(key_shape) != 3 or key_shape != value.shape:
+        return None
+    batch_axis = 0 if state["batch_first"] else 1
+    if key_shape[batch_axis] != shape[batch_axis] or key_shape[2] != shape[2]:
+        return None
+    return shape[batch_axis] * state["num_heads"] * shape[1 - batch_axis] * key_shape[1 - batch_axis] * query.element_size()
 
 
 def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool) -> str:
@@ -104,7 +142,8 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
         return "a folded value bias, which refuses rows masked from every key"
     if type(query) is not Tensor or is_symbolic_call(query):
         return "a trace, transform, fake tensor or tensor subclass"
-    if query.dim() != 3 or query.numel() == 0 or query.shape[2] != state["embed_dim"]:
+    shape = query.shape
+    if len(shape) != 3 or shape[2] != state["embed_dim"] or not (shape[0] and shape[1]):
         return "an unbatched or empty input, or one of another width (stock's error)"
     if not (query.is_cpu or query.is_cuda):
         return "a device other than cpu and cuda"

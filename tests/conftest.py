@@ -52,8 +52,10 @@ def record_checks(monkeypatch) -> Callable[[Callable], list]:
 
 @pytest.fixture
 def slims_own_paths(monkeypatch):
-    """Small calls without weights, which slim hands to stock's kernel by default in fp32 and bf16,
-    take slim's own short path instead, for the tests that exercise slim's own code at small sizes."""
+    """Small calls that slim hands to stock's code by default in fp32 and bf16 take slim's own paths
+    instead, for the tests that exercise slim's own code at small sizes: without weights its short
+    path rather than stock's kernel, with weights its own path rather than stock's ops."""
     from slim_mha import paths
 
     monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})
+    monkeypatch.setattr(paths, "STOCK_OPS_MAX_SCORE_BYTES", {})

@@ -46,8 +46,32 @@ TABLE = [
     ("small, without weights (fp32)", {}, call(SMALL, need_weights=False), False, False, "stock kernel"),
     ("large, without weights", {}, call(LARGE, need_weights=False), False, False, "plain"),
     ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "plain"),
-    ("small cross-attention with weights", {}, call(SMALL, OTHER), False, False, "slim"),
-    ("small, with weights, training with a graph", {}, call(SMALL), True, False, "slim"),
+    ("small cross-attention with weights", {}, call(SMALL, OTHER), False, False, "stock ops"),
+    ("small cross-attention with weights, sequence-first", {"batch_first": False},
+     call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)), False, False, "stock ops"),
+    ("small, three inputs, with weights", {}, call(SMALL, OTHER, OTHER.clone()), False, False, "stock ops"),
+    ("small, with weights, training with a graph", {}, call(SMALL), True, False, "stock ops"),
+    ("small, with weights, attention dropout", {"dropout": 0.5}, call(SMALL), True, False, "stock ops"),
+    ("small, with weights, odd heads", {"heads": 1}, call(SMALL, OTHER), False, False, "stock ops"),
+    ("small, with weights, under autocast on the CPU, training", {}, call(SMALL, OTHER), True, True, "stock ops"),
+    ("small, with weights, in fp16 (not measured)", {"dtype": torch.float16}, call(SMALL.half(), OTHER.half()), False,
+     False, "slim"),
+    ("small, with weights, a padding mask", {}, call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+     False, False, "slim"),
+    ("small, with weights, a causal mask", {}, call(SMALL, attn_mask=torch.ones(6, 6).triu(1).bool(), is_causal=True),
+     True, False, "slim"),
+    ("small, with weights, kdim and vdim", {"kdim": 8, "vdim": 8}, call(SMALL, torch.randn(2, 9, 8)), False, False,
+     "slim"),
+    ("small, with weights, keys of another batch (stock's error)", {}, call(SMALL, torch.randn(3, 9, E)), False, False,
+     "slim"),
+    ("small, with weights, keys and values of other lengths (stock's error)", {},
+     call(SMALL, OTHER, torch.randn(2, 8, E)), False, False, "slim"),
+    ("cross-attention with weights, 256 KiB of fp32 scores: the largest stock's ops take", {},
+     call(torch.randn(4, 64, E), torch.randn(4, 64, E)), False, False, "stock ops"),
+    ("cross-attention with weights, one key more", {}, call(torch.randn(4, 64, E), torch.randn(4, 65, E)), False, False,
+     "slim"),
+    ("medium cross-attention with weights, sequence-first", {"batch_first": False},
+     call(torch.randn(64, 8, E), torch.randn(64, 8, E)), False, False, "slim"),
     ("under autocast, cross-attention", {}, call(SMALL, OTHER, need_weights=False), False, True, "slim"),
     ("under autocast on the CPU, stock's default call (stock: its fp32 kernel)", {}, call(LARGE, need_weights=False), False, True,
      "stock kernel"),
@@ -76,7 +100,7 @@ def test_the_path_each_call_takes(what, options, the_call, grad, autocast, path)
 
 
 @pytest.mark.parametrize("case", ["cross", "training", "masked, sequence-first"])
-def test_under_autocast_slims_own_path_is_as_exact_as_stock(case):
+def test_under_autocast_slims_own_path_is_as_exact_as_stock(case, slims_own_paths):
     """Where stock runs its Python path under autocast, slim runs its own: outputs and weights against a
     float64 run (bf16 rounds stock's added q·b_k, so neither is exact), no gradient into the key slot."""
     batch_first = case != "masked, sequence-first"

@@ -1,0 +1,155 @@
+"""The "stock ops" path: small calls with weights and without masks run stock's Python path op for
+op, given ``[b_q; 0; b_v]`` (``choose_path`` names it, ``_stock_ops`` runs it).
+
+Its claim is equality, not closeness: with the same bias, its outputs, weights, strides, random
+draws and gradients are those of ``F.multi_head_attention_forward``, bit for bit, over a seeded sweep
+of shapes, layouts, input identities, modes and dtypes. Against stock itself (which adds ``q·b_k``)
+it is as exact as stock, measured against a float64 run, and draws stock's dropout mask.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _reference import (
+    STOCK_MHA,
+    assert_matches_stock,
+    float64_reference,
+    randomize_parameters,
+)
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha._call import AttentionCall
+from slim_mha.paths import choose_path
+
+
+def _cases(count: int = 48) -> list[dict]:
+    rng = random.Random(20261205)
+    cases = []
+    for index in range(count):
+        heads, head_dim = rng.choice((1, 2, 4)), rng.choice((2, 4, 8))
+        cases.append({
+            "id": index,
+            "batch": rng.randint(1, 4), "length": rng.randint(1, 12), "source": rng.randint(1, 12),
+            "heads": heads, "width": heads * head_dim,
+            "batch_first": rng.random() < 0.5,
+            "inputs": rng.choice(("self", "encoder-decoder", "three", "query is key")),
+            "mode": rng.choice(("inference", "training", "training with dropout")),
+            "average": rng.random() < 0.7,
+            "dtype": rng.choice(("float32", "float32", "bfloat16", "autocast")),
+        })
+    return cases
+
+
+CASES = _cases()
+
+
+def _tokens(case: dict, generator: torch.Generator, dtype: torch.dtype):
+    batch, width = case["batch"], case["width"]
+
+    def draw(length: int) -> torch.Tensor:
+        shape = (batch, length, width) if case["batch_first"] else (length, batch, width)
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    query = draw(case["length"])
+    key = draw(case["source"])
+    return {
+        "self": (query, query, query),
+        "encoder-decoder": (query, key, key),
+        "three": (query, key, draw(case["source"])),
+        "query is key": (query, query, draw(case["length"])),
+    }[case["inputs"]]
+
+
+def _modules(case: dict, dtype: torch.dtype):
+    dropout = 0.3 if case["mode"] == "training with dropout" else 0.0
+    stock = randomize_parameters(
+        STOCK_MHA(case["width"], case["heads"], dropout=dropout, batch_first=case["batch_first"]), seed=case["id"]
+    ).to(dtype)
+    slim = SlimMultiheadAttention(case["width"], case["heads"], dropout=dropout, batch_first=case["batch_first"]).to(dtype)
+    slim.load_state_dict(stock.state_dict())
+    training = case["mode"] != "inference"
+    return stock.train(training), slim.train(training)
+
+
+def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: bool):
+    """Stock's function itself, given the packed bias with its key slot zeroed (built here by ``cat``,
+    not by slim's code), in stock's layout: its own transposes, keeping the inputs' identities."""
+    width = slim.embed_dim
+    bias = slim.in_proj_bias
+    packed = torch.cat([bias[:width], torch.zeros_like(bias[width : 2 * width]), bias[2 * width :]])
+    if slim.batch_first:
+        transposed = {id(x): x.transpose(0, 1) for x in (query, key, value)}
+        query, key, value = (transposed[id(x)] for x in (query, key, value))
+    out, weights = F.multi_head_attention_forward(
+        query, key, value, width, slim.num_heads, slim.in_proj_weight, packed, None, None, False, slim.dropout,
+        slim.out_proj.weight, slim.out_proj.bias, training=slim.training, need_weights=True,
+        average_attn_weights=average,
+    )
+    return (out.transpose(0, 1) if slim.batch_first else out), weights
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['id']}-{c['inputs']}-{c['mode']}-{c['dtype']}" for c in CASES])
+def test_equals_stocks_function_given_the_same_bias(case):
+    dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
+    _, slim = _modules(case, dtype)
+    query, key, value = _tokens(case, torch.Generator().manual_seed(case["id"]), dtype)
+    before = [x.clone() for x in (query, key, value)]
+    training = slim.training
+    if training:
+        query.requires_grad_(True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case["dtype"] == "autocast")
+    with autocast:
+        path, why = choose_path(slim, AttentionCall(query, key, value, None, True, None, case["average"], False))
+        assert path == "stock ops", why
+        torch.manual_seed(case["id"])
+        out, weights = slim(query, key, value, average_attn_weights=case["average"])
+        torch.manual_seed(case["id"])
+        expected_out, expected_weights = _stocks_function(slim, query, key, value, case["average"])
+    for actual, expected, what in ((out, expected_out, "output"), (weights, expected_weights, "weights")):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+        assert actual.stride() == expected.stride(), what
+        assert torch.equal(actual, expected), what
+    for x, original in zip((query, key, value), before):
+        assert torch.equal(x.detach(), original)  # the inputs are never modified
+    if not training:
+        return
+    gradients = torch.autograd.grad(out.float().sum() + weights.float().sum(), (query, *slim.parameters()))
+    expected_gradients = torch.autograd.grad(
+        expected_out.float().sum() + expected_weights.float().sum(), (query, *slim.parameters())
+    )
+    for actual, expected in zip(gradients, expected_gradients):
+        assert torch.equal(actual, expected)
+    width = slim.embed_dim
+    assert not gradients[1 + [name for name, _ in slim.named_parameters()].index("in_proj_bias")][width : 2 * width].any()
+
+
+@pytest.mark.parametrize("case", CASES[:16], ids=[f"{c['id']}-{c['inputs']}-{c['mode']}" for c in CASES[:16]])
+def test_as_exact_as_stock_against_a_float64_run(case):
+    """Against stock module, whose added ``q·b_k`` rounds: outputs and weights within stock's own error."""
+    stock, slim = _modules({**case, "mode": "inference"}, torch.float32)
+    query, key, value = _tokens(case, torch.Generator().manual_seed(case["id"]), torch.float32)
+    # Grad enabled, as in training: without a graph stock's kernel takes eval self-attention.
+    assert choose_path(slim, AttentionCall(query, key, value, None, True, None, case["average"], False))[0] == "stock ops"
+    actual = slim(query, key, value, average_attn_weights=case["average"])
+    expected = stock(query, key, value, average_attn_weights=case["average"])
+    reference = float64_reference(stock, query, key, value, average_attn_weights=case["average"])
+    for a, e, r, what in zip(actual, expected, reference, ("output", "weights")):
+        assert a.stride() == e.stride(), what
+        assert_matches_stock(a, e, r, what)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_draws_stocks_dropout_mask(batch_first):
+    """Training with attention dropout under one seed: the weights that dropout zeroed are stock's."""
+    case = {"id": 7, "width": 16, "heads": 4, "batch_first": batch_first, "mode": "training with dropout"}
+    stock, slim = _modules(case, torch.float32)
+    x = torch.randn(3, 10, 16) if batch_first else torch.randn(10, 3, 16)
+    torch.manual_seed(3)
+    _, expected = stock(x, x, x, average_attn_weights=False)
+    torch.manual_seed(3)
+    _, actual = slim(x, x, x, average_attn_weights=False)
+    assert (expected == 0).any() and torch.equal(actual == 0, expected == 0)
