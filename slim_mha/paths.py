@@ -30,8 +30,9 @@ STOCK_KERNEL_MAX_SCORE_BYTES = {
 }
 
 # Calls with weights and without masks that stock's kernel does not take run stock's Python path op
-# for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes: there its few ops take
-# less time than slim's own path spends in Python. Above it slim's own path wins. Measured on the
+# for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes and the call is
+# sequence-first or records a graph: there its few ops take less time than slim's own path spends in
+# Python. Above it, and for batch-first calls without a graph, slim's own path wins. Measured on the
 # CPU in fp32 and bf16; CUDA has not been measured and keeps slim's path (benchmarks/RESULTS.md, "Paths").
 STOCK_OPS_MAX_SCORE_BYTES = {
     ("cpu", torch.float32): 256 << 10,
@@ -51,7 +52,8 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
       without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
       the CPU's autocast (where stock runs its kernel too);
     * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
-      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`);
+      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`), where
+      they are sequence-first or record a graph;
     * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
     * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
 
@@ -79,7 +81,10 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
     if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
-        if score_bytes is not None and score_bytes <= largest:
+        # Batch-first calls without a graph or dropout keep slim's one pass, which projects the
+        # caller's layout: stock's ops first copy every input sequence-first.
+        one_pass = state["batch_first"] and not (state["training"] and state["dropout"] > 0.0)
+        if score_bytes is not None and score_bytes <= largest and not (one_pass and not _records_graph(module, query, key, value)):
             return "stock ops", ""
     return "slim", why
 
@@ -94,10 +99,7 @@ def _why_not_stock_kernel(module: nn.MultiheadAttention, query: Tensor, device: 
     if autocast and device == "cuda":
         return "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
-    if torch.is_grad_enabled() and (query.requires_grad or any(
-        p is not None and p.requires_grad
-        for p in (*module._parameters.values(), *module._modules["out_proj"]._parameters.values())
-    )):
+    if _records_graph(module, query):
         return "a graph is recorded"
     if training and state["dropout"] > 0.0:
         return "attention dropout"
@@ -111,6 +113,17 @@ def _why_not_stock_kernel(module: nn.MultiheadAttention, query: Tensor, device: 
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
         return "stock kernel"  # under the CPU's autocast always: stock runs it there
     return "plain"
+
+
+def _records_graph(module: nn.MultiheadAttention, *inputs: Tensor) -> bool:
+    """Whether autograd records this call: grad mode on, and an input or a parameter requires grad."""
+    return torch.is_grad_enabled() and (
+        any(x.requires_grad for x in inputs)
+        or any(
+            p is not None and p.requires_grad
+            for p in (*module._parameters.values(), *module._modules["out_proj"]._parameters.values())
+        )
+    )
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:
