@@ -2,7 +2,8 @@
 
 SDPA does not return probabilities, so whenever weights are requested this path runs instead, in
 stock's order of operations, unless the call is one that stock's own kernel takes (unmasked
-self-attention without a graph: the "stock kernel" path of :func:`slim_mha.paths.choose_path`).
+self-attention without a graph: the "stock kernel" path of :func:`slim_mha.paths.choose_path`) or a
+small unmasked one that runs stock's ops (its "stock ops" path).
 
 Without a graph (inference) the scores of every head are one ``(B, H, L, S)`` tensor, masked,
 softmaxed (in place where they are large: :func:`_softmax_last`) and averaged by one batched

@@ -17,7 +17,7 @@ from ._swap import FOLDED_VALUE_BIAS
 from ._torch_compat import is_symbolic_call
 from .equivariance import _mode as _equivariance
 
-__all__ = ["STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
+__all__ = ["ONE_PASS_FROM_SCORE_BYTES", "STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
 
 # Self-attention without weights takes stock's native kernel where its scores fit in this many
 # bytes: there the kernel is faster and the memory slim saves is small. On the CPU in bf16 the
@@ -30,14 +30,18 @@ STOCK_KERNEL_MAX_SCORE_BYTES = {
 }
 
 # Calls with weights and without masks that stock's kernel does not take run stock's Python path op
-# for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes and the call is
-# sequence-first or records a graph: there its few ops take less time than slim's own path spends in
-# Python. Above it, and for batch-first calls without a graph, slim's own path wins. Measured on the
-# CPU in fp32 and bf16; CUDA has not been measured and keeps slim's path (benchmarks/RESULTS.md, "Paths").
+# for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes: there its few ops take
+# less time than slim's own path spends in Python. Above it slim's own path wins. Measured on the CPU
+# in fp32 and bf16; CUDA has not been measured and keeps slim's path (benchmarks/RESULTS.md, "Paths").
 STOCK_OPS_MAX_SCORE_BYTES = {
     ("cpu", torch.float32): 256 << 10,
     ("cpu", torch.bfloat16): 64 << 10,
 }
+
+# Except for batch-first calls without a graph or dropout from this many bytes of scores on: there
+# slim's one pass wins, as it projects the caller's layout where stock's ops first copy every input
+# sequence-first (benchmarks/RESULTS.md, "Small shapes with weights").
+ONE_PASS_FROM_SCORE_BYTES = 64 << 10
 
 
 def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str, str]:
@@ -52,8 +56,8 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
       without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
       the CPU's autocast (where stock runs its kernel too);
     * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
-      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`), where
-      they are sequence-first or record a graph;
+      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
+      batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
     * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
     * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
 
@@ -81,11 +85,13 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
     if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
-        # Batch-first calls without a graph or dropout keep slim's one pass, which projects the
-        # caller's layout: stock's ops first copy every input sequence-first.
-        one_pass = state["batch_first"] and not (state["training"] and state["dropout"] > 0.0)
-        if score_bytes is not None and score_bytes <= largest and not (one_pass and not _records_graph(module, query, key, value)):
-            return "stock ops", ""
+        if score_bytes is not None and score_bytes <= largest:
+            one_pass = (
+                state["batch_first"] and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
+                and not (state["training"] and state["dropout"] > 0.0)
+            )
+            if not one_pass or _records_graph(module, query, key, value):
+                return "stock ops", ""
     return "slim", why
 
 
