@@ -8,11 +8,7 @@ from torch import Tensor, nn
 
 from . import unread_weights
 from ._call import AttentionCall
-from ._explicit_attention import (
-    attention_with_weights,
-    mean_over_heads,
-    query_scale,
-)
+from ._explicit_attention import attention_with_weights, query_scale
 from ._heads import merge_heads, sequence_first, split_heads, stock_projected_heads
 from ._stock_checks import (
     attention_mask,
@@ -164,26 +160,16 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return super().forward(*call)
 
     def _stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks
-        (a sequence-first query goes in as a transposed view, its output comes back in stock's
-        layout). With averaged weights in fp32, every head's weights come back and slim averages
-        them in one batched product, where stock's average takes three passes."""
-        query, need_weights, average = call.query, call.need_weights, call.average_attn_weights
-        bias = without_key_bias_eager(self.in_proj_bias)
-        if not self.batch_first:  # (L, B, E): the kernel takes it batch-first, as a view
-            query = query.transpose(0, 1)
-        # In fp32 slim's one batched product averages faster than the kernel's three passes; in bf16
-        # and fp16 the kernel's own average is faster (benchmarks/RESULTS.md, "Inference with
-        # averaged weights"), and other dtypes keep stock's own call.
-        own_average = average and query.dtype == torch.float32
+        """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks,
+        called as stock's fast path calls it (a sequence-first query goes in as a transposed view,
+        its output comes back in stock's layout)."""
+        query = call.query if self.batch_first else call.query.transpose(0, 1)  # (B, L, E), as a view
         out, weights = stock_kernel(
-            query, self.num_heads, self.in_proj_weight, bias, self.out_proj.weight, self.out_proj.bias, need_weights,
-            average and not own_average,
+            query, self.num_heads, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias), self.out_proj.weight,
+            self.out_proj.bias, call.need_weights, call.average_attn_weights,
         )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
-        if weights is not None and own_average:
-            weights = mean_over_heads(weights)
         return out, weights
 
     def _stock_ops(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:

@@ -232,12 +232,17 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
 
 
 def test_the_comparison_fails_on_a_wrong_average_of_the_kernels_weights(kernel_calls, monkeypatch):
-    monkeypatch.setattr(attention, "mean_over_heads", lambda weights: weights.sum(dim=1))
+    kernel = attention.stock_kernel
+
+    def summing_kernel(*args):
+        out, weights = kernel(*args)
+        return out, weights * args[0].new_tensor(4.0)  # H=4: the sum over heads, not their mean
+
+    monkeypatch.setattr(attention, "stock_kernel", summing_kernel)
     stock, slim = modules()
     x = tokens()
     with torch.no_grad(), pytest.raises(AssertionError, match="weights"):
         assert_like_stock(stock, slim, x, x, x)
-    assert len(kernel_calls) == 1
 
 
 def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, monkeypatch):
@@ -253,13 +258,13 @@ def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, mo
     assert len(kernel_calls) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_in_reduced_precision_the_kernel_averages_the_weights_as_stocks_does(dtype, batch_first, monkeypatch):
-    """In bf16 and fp16 the kernel's own average is the faster one, so slim asks the kernel for it
-    (its own batched average is never called), and the call is stock's bit for bit where stock runs
-    the same kernel (batch-first), weights included."""
-    monkeypatch.setattr(attention, "mean_over_heads", lambda weights: pytest.fail("slim averaged the weights itself"))
+def test_the_kernel_call_is_stocks_bit_for_bit(dtype, average, batch_first):
+    """Slim calls the kernel as stock's fast path calls it, averaging included: where stock runs the
+    same kernel (batch-first) given the same zeroed key slot, output and weights are stock's bit
+    for bit, sequence-first included."""
     stock = randomize_parameters(STOCK_MHA(64, 4, batch_first=True, dtype=dtype)).eval()
     slim = SlimMultiheadAttention(64, 4, batch_first=batch_first, dtype=dtype).eval()
     slim.load_state_dict(stock.state_dict())
@@ -267,8 +272,8 @@ def test_in_reduced_precision_the_kernel_averages_the_weights_as_stocks_does(dty
         stock.in_proj_bias[64:128].zero_()  # stock's kernel given the key bias slim leaves out
     x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
     with torch.inference_mode():
-        expected = stock(x, x, x)
+        expected = stock(x, x, x, average_attn_weights=average)
         query = x if batch_first else x.transpose(0, 1)
-        out, weights = slim(query, query, query)
+        out, weights = slim(query, query, query, average_attn_weights=average)
     torch.testing.assert_close(out if batch_first else out.transpose(0, 1), expected[0], rtol=0, atol=0)
     torch.testing.assert_close(weights, expected[1], rtol=0, atol=0)
