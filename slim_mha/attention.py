@@ -184,11 +184,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
         if self.training and self.dropout > 0.0:
             weights = F.dropout(weights, p=self.dropout)
-        out = torch.bmm(weights, v).transpose(0, 1).reshape(length * batch, width)  # stock's copy
+        out = torch.bmm(weights, v)
+        del q, k, v  # the projections are freed before the output's copy, as stock frees them
+        out = out.transpose(0, 1).reshape(length * batch, width)  # stock's copy
         out_p = self._modules["out_proj"]._parameters
         # Rows as one matrix, as stock's: a 3-D input may add the bias after rounding (bf16)
         out = F.linear(out, out_p["weight"], out_p["bias"]).view(length, batch, width)
-        weights = weights.view(batch, heads, length, k.shape[1])
+        weights = weights.view(batch, heads, length, -1)
         return (out.transpose(1, 0) if self.batch_first else out), (weights.mean(dim=1) if call.average_attn_weights else weights)
 
     def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
