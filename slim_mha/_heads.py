@@ -88,6 +88,7 @@ def stock_projected_heads(
         return stock_heads(F.linear(query, weight, bias), 3, num_heads)
     if key is value:
         (w_q, w_kv), (b_q, b_kv) = weight.split([width, 2 * width]), bias.split([width, 2 * width])
-        return (*stock_heads(F.linear(query, w_q, b_q), 1, num_heads), *stock_heads(F.linear(key, w_kv, b_kv), 2, num_heads))
+        (q,) = stock_heads(F.linear(query, w_q, b_q), 1, num_heads)
+        return (q, *stock_heads(F.linear(key, w_kv, b_kv), 2, num_heads))
     parts = zip((query, key, value), weight.chunk(3), bias.chunk(3))
     return tuple(stock_heads(F.linear(x, w, b), 1, num_heads)[0] for x, w, b in parts)

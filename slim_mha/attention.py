@@ -191,7 +191,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Rows as one matrix, as stock's: a 3-D input may add the bias after rounding (bf16)
         out = F.linear(out, out_p["weight"], out_p["bias"]).view(length, batch, width)
         weights = weights.view(batch, heads, length, -1)
-        return (out.transpose(1, 0) if self.batch_first else out), (weights.mean(dim=1) if call.average_attn_weights else weights)
+        if call.average_attn_weights:
+            weights = weights.mean(dim=1)
+        return (out.transpose(1, 0) if self.batch_first else out), weights
 
     def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with slim's own options around it: weights skipped where the caller
