@@ -17,6 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._torch_compat import stock_layer_unfuses_for_hooks
+
+# Observed once, at import: read inside compiled code, where a first call would be traced.
+_HOOKS_UNFUSE = stock_layer_unfuses_for_hooks()
+
 
 def is_batched_mha_input(
     query: Tensor,
@@ -116,13 +121,20 @@ def attention_mask(
     tgt_len: int,
     src_len: int,
     appended: int,
+    stock_fast_path: bool = False,
 ) -> tuple[Tensor | None, bool]:
     """Stock's mask rules, as one additive mask broadcastable to ``(B, H, L, S')``.
 
     ``appended`` key columns (``add_bias_kv``, ``add_zero_attn`` tokens) are left open. Returns the
     mask and whether SDPA may use ``is_causal`` instead of it (only when no padding mask and no
-    weights are involved, exactly as stock decides).
+    weights are involved, exactly as stock decides). ``stock_fast_path``: stock would run its native
+    kernel on this call, which ignores ``is_causal`` and raises a ``RuntimeError`` for a padding mask
+    of the wrong shape.
     """
+    if stock_fast_path:
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, src_len):
+            raise RuntimeError("For mask_type == 1 mask shape should be (B, L)")  # the kernel's check
+        is_causal = False  # the kernel takes no hint: it ignores it, with a mask or without
     key_padding_mask = additive_mask(
         key_padding_mask, "key_padding_mask", dtype, other=attn_mask, other_name="attn_mask"
     )
@@ -226,3 +238,51 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
         or not all(t.is_cpu or t.is_cuda for t in tensors)
         or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     )
+
+
+def why_stock_layer_is_not_fused(layer, src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None) -> str:
+    """Why stock's ``nn.TransformerEncoderLayer.forward`` would not hand this call to its fused kernel
+    (``torch._transformer_encoder_layer_fwd``), in stock's words and order; ``""`` where it would.
+
+    The one copy of stock's rule: :func:`slim_mha.encoder_layer.layer_path` reads it, and
+    ``tests/test_encoder_contract.py`` checks it against the calls stock's layer makes, case by case
+    (hooks, masks, nesting, autocast, grad, each attribute), on every tested torch.
+    """
+    attention = layer.self_attn
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() was not True"
+    if src.dim() != 3:
+        return f"input not batched; expected src.dim() of 3 but got {src.dim()}"
+    if layer.training:
+        return "training is enabled"
+    if not attention.batch_first:
+        return "self_attn.batch_first was not True"
+    if attention.in_proj_bias is None:
+        return "self_attn was passed bias=False"
+    if not attention._qkv_same_embed_dim:
+        return "self_attn._qkv_same_embed_dim was not True"
+    if not layer.activation_relu_or_gelu:
+        return "activation_relu_or_gelu was not True"
+    if layer.norm1.eps != layer.norm2.eps:
+        return "norm1.eps is not equal to norm2.eps"
+    if src.is_nested and (src_key_padding_mask is not None or src_mask is not None):
+        return "neither src_key_padding_mask nor src_mask are not supported with NestedTensor input"
+    if attention.num_heads % 2:
+        return "num_head is odd"
+    if torch.is_autocast_enabled():  # without a device: CUDA's autocast alone, as stock reads it
+        return "autocast is enabled"
+    if _HOOKS_UNFUSE and any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+        return "forward pre-/hooks are attached to the module"
+    tensors = (
+        src, attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight, attention.out_proj.bias,
+        layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias,
+        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
+    )
+    if torch.overrides.has_torch_function(tensors):
+        return "some Tensor argument has_torch_function"
+    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    if not all(t.device.type in devices for t in tensors):
+        return f"some Tensor argument's device is neither one of {list(devices)}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "grad is enabled and at least one of query or the input/output projection weights or biases requires_grad"
+    return ""

@@ -6,6 +6,8 @@ on torch 2.4.1 and 2.13.0 (the tested range's ends at the time of writing).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx
 import torch.nn.modules.activation
@@ -21,7 +23,9 @@ __all__ = [
     "is_symbolic_call",
     "stock_head_split",
     "stock_kernel",
+    "stock_layer_unfuses_for_hooks",
     "takes_stock_heads",
+    "wrap_jit_prepare",
 ]
 
 # torch's own class, captured when slim_mha is first imported, which is before anything can patch
@@ -127,3 +131,39 @@ def stock_kernel(
         query, query, query, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
         None, need_weights, average,
     )
+
+
+def wrap_jit_prepare(wrapper) -> None:
+    """Route ``torch.jit.script``'s preparation of a module tree through ``wrapper(prepare)``, once.
+
+    Private: ``torch.jit._script.call_prepare_scriptable_func``, which ``torch.jit.script`` looks up
+    in its module at each call and which calls each module's ``__prepare_scriptable__`` and writes
+    what it returns into the parent's ``_modules``. Present on every tested version;
+    ``tests/test_encoder_contract.py`` checks that scripting leaves the eager model as it was.
+    """
+    import torch.jit._script as script
+
+    prepare = script.call_prepare_scriptable_func
+    if not getattr(prepare, "_slim_mha_wrapped", False):
+        script.call_prepare_scriptable_func = wrapper(prepare)
+        script.call_prepare_scriptable_func._slim_mha_wrapped = True
+
+
+@functools.cache
+def stock_layer_unfuses_for_hooks() -> bool:
+    """Whether stock's ``nn.TransformerEncoderLayer`` leaves its fused kernel when a forward hook is
+    attached to it or a submodule (torch >= 2.5 does, pytorch#128413; 2.4 fuses and skips the hooks).
+
+    Observed, not read off a version: a tiny stock layer in eval, a hook on its attention, one call.
+    """
+    layer = STOCK_ENCODER_LAYER(4, 2, 4, dropout=0.0, batch_first=True).eval()
+    fired = []
+    layer.self_attn.register_forward_hook(lambda *_: fired.append(True))
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        previous = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(True)
+        try:
+            layer(torch.zeros(1, 2, 4))
+        finally:
+            torch.backends.mha.set_fastpath_enabled(previous)
+    return bool(fired)

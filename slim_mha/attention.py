@@ -10,6 +10,7 @@ from . import unread_weights
 from ._call import AttentionCall
 from ._explicit_attention import attention_with_weights, query_scale
 from ._heads import merge_heads, sequence_first, split_heads, stock_projected_heads
+from ._scripting import prepare_scriptable
 from ._stock_checks import (
     attention_mask,
     check_embed_dims,
@@ -20,8 +21,6 @@ from ._stock_checks import (
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
-    rebuild_as,
-    refuse_folded_value_bias,
     refuse_rows_masked_from_every_key,
 )
 from ._torch_compat import (
@@ -75,6 +74,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     ``slim-mha-migrate strip`` writes (``q_proj_bias``/``v_proj_bias``, format version 1).
     """
 
+    _scripted_as = STOCK_MHA  # what torch.jit.script compiles (slim_mha._scripting)
     # Class-level defaults so that modules pickled before these options existed still run.
     check_equivariance: bool | None = None
     check_equivariance_every: int = 1
@@ -123,13 +123,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         self.__dict__.pop(FOLDED_VALUE_BIAS, None)
 
     def __prepare_scriptable__(self) -> nn.MultiheadAttention:
-        """``torch.jit.script`` compiles the stock module holding these same parameters.
-
-        torch puts the returned module in place of this one in the parents' ``_modules``; the
-        parameter objects are the same, so optimizers keep training them.
-        """
-        refuse_folded_value_bias(self, "(this module)", "torch.jit.script")
-        return rebuild_as(self, STOCK_MHA)
+        """``torch.jit.script`` compiles the stock module (or the user's subclass of it) holding these
+        same parameters; the eager model is left as it is (:mod:`slim_mha._scripting`)."""
+        return prepare_scriptable(self)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -240,9 +236,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         )  # (B, H, L, D), (B, H, S, D) x2
         (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
         appended = int(self.bias_k is not None) + int(self.add_zero_attn)
+        stock_fast_path = is_batched and stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask)
         mask, is_causal = attention_mask(
-            attn_mask, key_padding_mask, is_causal, need_weights, query.dtype,
-            batch=batch, num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended,
+            attn_mask, key_padding_mask, is_causal, need_weights, query.dtype, batch=batch,
+            num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended, stock_fast_path=stock_fast_path,
         )  # additive, broadcastable to (B, H, L, S + appended)
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
 
@@ -259,7 +256,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory
         # behind a batch-first view wherever stock's Python path would run (training, above all).
-        batch_major = batch_first and (not is_batched or stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask))
+        batch_major = batch_first and (not is_batched or stock_fast_path)
         out = merge_heads(out, batch_major)
         del q, k, v, mask  # free the projections before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)

@@ -4,14 +4,19 @@ Stock's layer, in eval without a graph, calls one fused kernel (``torch._transfo
 with the attention's parameters and never calls the attention module. That kernel builds the
 ``(B, H, L, L)`` scores, and with a padding mask it is several times heavier than slim's attention
 (``benchmarks/RESULTS.md``, "Encoders"). :class:`SlimTransformerEncoderLayer` is stock's layer with
-one change: :func:`layer_path` decides, per call, whether stock's ``forward`` runs (its fused kernel
-where it takes it, its own general path elsewhere) or stock's blocks run with slim's attention
-(``_sa_block``, ``_ff_block`` and the norms, in the order of stock's general path). The blocks are
-stock's general path itself, so the function is stock's either way.
+one change: :func:`layer_path` decides, per call, whether stock's ``forward`` runs, or slim computes
+what the fused kernel computes, with slim's attention in place of the kernel's.
 
-A nested tensor (what ``nn.TransformerEncoder`` makes of a padded batch in inference) reaches the
-blocks as a padded batch with its padding mask, and leaves as a nested tensor again: the padded
-rows are dropped, so the layer returns what stock's returns.
+Slim takes a call only where stock's layer would fuse it, by stock's own rule
+(:func:`~slim_mha._stock_checks.why_stock_layer_is_not_fused`): hooks, training, autocast, a graph and
+every other case run stock's ``forward`` itself. Where slim takes the call, it computes from exactly
+the kernel's inputs: the attention's and the norms' parameters, ``norm1.eps``, relu or gelu, and the
+masks. So like the kernel it ignores ``is_causal``, the dropout modules and any ``_sa_block`` or
+``_ff_block`` a subclass overrides, and it raises the kernel's errors for masks of the wrong shape.
+
+A nested tensor (what ``nn.TransformerEncoder`` makes of a padded batch in inference) reaches slim as
+a padded batch with its padding mask, and leaves as a nested tensor again: the padded rows are
+dropped, so the layer returns what stock's returns.
 """
 
 from __future__ import annotations
@@ -20,46 +25,47 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._swap import rebuild_as
+from ._scripting import prepare_scriptable
+from ._stock_checks import why_stock_layer_is_not_fused
 from ._torch_compat import STOCK_ENCODER_LAYER, is_symbolic_call
 from .attention import SlimMultiheadAttention
 
 __all__ = ["SlimTransformerEncoderLayer", "layer_path", "FUSED_LAYER_MAX_LENGTH"]
 
-# Up to these many tokens stock's fused layer is at least as fast as its blocks with slim's
-# attention: the whole layer is one kernel, and its (B, H, L, L) scores are small. Above them slim's
-# blocks win in memory (half of stock's peak from L=192 on, a fourteenth at L=2048) and are at parity
-# or faster. A nested batch (nn.TransformerEncoder's padded batch) keeps stock's kernel longer: it
-# computes no padded token. Measured on 2 CPU threads, 2 layers, B=4 E=256 H=8, allocator warm
-# (benchmarks/RESULTS.md, "Encoders", where the inherited allocator is measured too).
+# Up to these many tokens stock's fused layer is at least as fast as slim's attention in its place:
+# the whole layer is one kernel, and its (B, H, L, L) scores are small. Above them slim wins in memory
+# (half of stock's peak from L=192 on, a fourteenth at L=2048) and is at parity or faster. A nested
+# batch (nn.TransformerEncoder's padded batch) keeps stock's kernel longer: it computes no padded
+# token. Measured on 2 CPU threads, 2 layers, B=4 E=256 H=8, allocator warm (benchmarks/RESULTS.md,
+# "Encoders", where the inherited allocator is measured too).
 FUSED_LAYER_MAX_LENGTH = {"no mask": 384, "mask": 96, "nested": 384}
 
 
-def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> str:
-    """``"stock"`` (stock's own ``forward``) or ``"slim"`` (stock's blocks, slim's attention).
+def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> tuple[str, str]:
+    """The path a call of ``layer`` takes, and why:
 
-    Only a call that stock's layer could hand to its fused kernel is taken from it: in eval, no graph
-    recorded, the fast path on, a real batched tensor. Every other call runs stock's ``forward``,
-    whose general path calls slim's attention through ``_sa_block`` anyway.
+    * ``"stock layer"``: stock's ``forward``, which does not fuse this call (its general path, with
+      slim's attention where the layer holds one); the reason is stock's own;
+    * ``"stock fused layer"``: stock's ``forward``, which hands the call to its fused kernel;
+    * ``"slim"``: what the fused kernel computes, with slim's attention in its place.
     """
-    attention = layer.self_attn
-    if (
-        not isinstance(attention, SlimMultiheadAttention)
-        or layer.training
-        or not torch.backends.mha.get_fastpath_enabled()
-        or is_symbolic_call(src)
-        or src.dim() != 3
-        or (torch.is_grad_enabled() and (src.requires_grad or any(p.requires_grad for p in layer.parameters())))
-    ):
-        return "stock"
-    if src.is_nested:  # nn.TransformerEncoder's padded batch: stock's layer takes no mask beside it
-        if src_mask is not None or src_key_padding_mask is not None:
-            return "stock"
+    why = why_stock_layer_is_not_fused(layer, src, src_mask, src_key_padding_mask)
+    if why:
+        return "stock layer", why
+    if not isinstance(layer.self_attn, SlimMultiheadAttention):
+        return "stock fused layer", "the layer holds a stock attention module"
+    if is_symbolic_call(src):
+        return "stock fused layer", "a trace, transform or fake tensor"
+    if torch.is_autocast_enabled(src.device.type):
+        return "stock fused layer", "autocast, whose casts the fused kernel's output dtype follows"
+    if src.is_nested:  # nn.TransformerEncoder's padded batch (stock's rule: no mask beside it)
         kind, length = "nested", max((sequence.shape[0] for sequence in src.unbind()), default=0)
     else:
         kind = "no mask" if src_mask is None and src_key_padding_mask is None else "mask"
-        length = src.shape[1] if attention.batch_first else src.shape[0]
-    return "stock" if length <= FUSED_LAYER_MAX_LENGTH[kind] else "slim"
+        length = src.shape[1]  # batch-first: stock fuses no other layout
+    if length <= FUSED_LAYER_MAX_LENGTH[kind]:
+        return "stock fused layer", f"{length} tokens ({kind}): the fused kernel is faster up to {FUSED_LAYER_MAX_LENGTH[kind]}"
+    return "slim", ""
 
 
 class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -69,6 +75,8 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
     make these from stock's layers, ``to_stock`` turns them back.
     """
 
+    _scripted_as = STOCK_ENCODER_LAYER  # what torch.jit.script compiles (slim_mha._scripting)
+
     def forward(
         self,
         src: Tensor,
@@ -76,38 +84,68 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
-        if layer_path(self, src, src_mask, src_key_padding_mask) == "stock":
+        path, _ = layer_path(self, src, src_mask, src_key_padding_mask)
+        if path != "slim":
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         if src.is_nested:
-            return _nested_through(self._blocks, src)
-        return self._blocks(src, src_mask, src_key_padding_mask, is_causal)
-
-    def _blocks(self, src: Tensor, src_mask, src_key_padding_mask, is_causal: bool = False) -> Tensor:
-        """Stock's general path: its masks made canonical as its ``forward`` makes them, then its blocks."""
-        src_key_padding_mask = F._canonical_mask(
-            mask=src_key_padding_mask, mask_name="src_key_padding_mask", other_type=F._none_or_dtype(src_mask),
-            other_name="src_mask", target_type=src.dtype,
-        )
-        src_mask = F._canonical_mask(
-            mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype,
-            check_other=False,
-        )
-        x = src
-        if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
-            return x + self._ff_block(self.norm2(x))
-        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
-        return self.norm2(x + self._ff_block(x))
+            return _nested_through(self, src)
+        return _as_the_fused_kernel(self, src, src_mask, src_key_padding_mask)
 
     def __prepare_scriptable__(self) -> nn.TransformerEncoderLayer:
-        """``torch.jit.script`` compiles stock's layer holding these same submodules and parameters."""
-        return rebuild_as(self, STOCK_ENCODER_LAYER)
+        """``torch.jit.script`` compiles stock's layer (or the user's subclass of it) holding these
+        same submodules and parameters; the eager model is left as it is (:mod:`slim_mha._scripting`)."""
+        return prepare_scriptable(self)
 
 
-def _nested_through(blocks, src: Tensor) -> Tensor:
-    """Run ``blocks`` on a nested batch as a padded batch with its padding mask; nested again after."""
+def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> Tensor:
+    """What ``torch._transformer_encoder_layer_fwd`` computes from the arguments stock's layer gives it,
+    with ``layer.self_attn`` (slim's) as the attention: batch-first ``src`` ``(B, L, E)``."""
+    # The masks made canonical as stock's forward makes them, before it decides anything.
+    src_key_padding_mask = F._canonical_mask(
+        mask=src_key_padding_mask, mask_name="src_key_padding_mask", other_type=F._none_or_dtype(src_mask),
+        other_name="src_mask", target_type=src.dtype,
+    )
+    src_mask = F._canonical_mask(
+        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False,
+    )
+    _refuse_masks_as_the_kernel(layer, src, src_mask, src_key_padding_mask)
+    attention, eps, width = layer.self_attn, layer.norm1.eps, (src.shape[-1],)  # the kernel reads norm1.eps alone
+    activation = F.gelu if layer.activation_relu_or_gelu == 2 else F.relu
+
+    def attend(x: Tensor) -> Tensor:  # forward, not the module's call: no hooks, as in the kernel (torch 2.4 fuses with hooks)
+        return attention.forward(x, x, x, key_padding_mask=src_key_padding_mask, need_weights=False, attn_mask=src_mask)[0]
+
+    def feed_forward(x: Tensor) -> Tensor:
+        return F.linear(activation(F.linear(x, layer.linear1.weight, layer.linear1.bias)), layer.linear2.weight, layer.linear2.bias)
+
+    def norm1(x: Tensor) -> Tensor:
+        return F.layer_norm(x, width, layer.norm1.weight, layer.norm1.bias, eps)
+
+    def norm2(x: Tensor) -> Tensor:
+        return F.layer_norm(x, width, layer.norm2.weight, layer.norm2.bias, eps)
+
+    x = src
+    if layer.norm_first:
+        x = x + attend(norm1(x))
+        return x + feed_forward(norm2(x))
+    x = norm1(x + attend(x))
+    return norm2(x + feed_forward(x))
+
+
+def _refuse_masks_as_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> None:
+    """The errors stock's fused call raises for masks of the wrong shape, with its types and words."""
+    if src_mask is not None:  # stock merges the masks first: its views raise on a wrong shape
+        layer.self_attn.merge_masks(src_mask, None, src)
+    if src_key_padding_mask is not None and tuple(src_key_padding_mask.shape) != tuple(src.shape[:2]):
+        if src_mask is not None:  # merged with the attention mask by a view, as stock merges them
+            src_key_padding_mask.view(src.shape[0], 1, 1, src.shape[1])
+        raise RuntimeError("For mask_type == 1 mask shape should be (B, L)")  # the kernel's check
+
+
+def _nested_through(layer: nn.TransformerEncoderLayer, src: Tensor) -> Tensor:
+    """Run the layer on a nested batch as a padded batch with its padding mask; nested again after."""
     lengths = torch.tensor([sequence.shape[0] for sequence in src.unbind()], device=src.device)
     padded = src.to_padded_tensor(0.0)  # (B, longest, E)
     padding = torch.arange(padded.shape[1], device=src.device) >= lengths[:, None]  # True: not a token
-    out = blocks(padded, None, padding)
+    out = _as_the_fused_kernel(layer, padded, None, padding)
     return torch._nested_tensor_from_mask(out, padding.logical_not(), mask_check=False)

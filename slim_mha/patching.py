@@ -48,6 +48,7 @@ it alone; with no value anywhere it is off. Like the patch itself, it is process
 
 from __future__ import annotations
 
+import abc
 import functools
 import sys
 import threading
@@ -63,8 +64,13 @@ __all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttenti
 _OWN_PACKAGE = __name__.partition(".")[0]
 
 
-class _AcceptsStockInstances(type):
+class _AcceptsStockInstances(abc.ABCMeta):
     """Metaclass of :class:`PatchedMultiheadAttention`: stock instances and subclasses pass its checks.
+
+    It derives from ``abc.ABCMeta`` so that a user's class may mix the patched classes with
+    ``abc.ABC``, as stock's accept (a metaclass of its own beside ``ABCMeta`` would conflict). It
+    keeps ``ABCMeta``'s rules (``register``, abstract methods), which stock's subclasses get from
+    ``abc.ABC`` alone.
 
     While patched, ``torch.nn.MultiheadAttention`` *is* the patched class, so without this a stock
     module built before ``patch()`` would fail ``isinstance(m, torch.nn.MultiheadAttention)``. Only
@@ -73,13 +79,13 @@ class _AcceptsStockInstances(type):
     """
 
     def __instancecheck__(cls, instance) -> bool:
-        if type.__instancecheck__(cls, instance):
+        if super().__instancecheck__(instance):
             return True
         stock = cls.__dict__.get("_accepts_stock")
         return stock is not None and isinstance(instance, stock)
 
     def __subclasscheck__(cls, subclass) -> bool:
-        if type.__subclasscheck__(cls, subclass):
+        if super().__subclasscheck__(subclass):
             return True
         stock = cls.__dict__.get("_accepts_stock")
         return stock is not None and issubclass(subclass, stock)
@@ -95,6 +101,7 @@ class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockI
     """
 
     _accepts_stock = STOCK_MHA
+    _scripted_as = STOCK_MHA
 
     @functools.wraps(SlimMultiheadAttention.__init__)
     def __init__(self, *args, **kwargs) -> None:
@@ -110,6 +117,7 @@ class PatchedTransformerEncoderLayer(SlimTransformerEncoderLayer, metaclass=_Acc
     """
 
     _accepts_stock = STOCK_ENCODER_LAYER
+    _scripted_as = STOCK_ENCODER_LAYER
 
 
 # Each name patching rebinds: torch's class, ours, and the modules that must hold torch's class for

@@ -167,7 +167,7 @@ def test_calls_stock_runs_unfused_stay_stocks_own(case, slim_always, calls):
     previous = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(case != "fastpath_disabled")
     try:
-        assert layer_path(layer, x, None, masks["src_key_padding_mask"]) == "stock"
+        assert layer_path(layer, x, None, masks["src_key_padding_mask"])[0] == "stock layer"
         context = torch.enable_grad() if case != "fastpath_disabled" else torch.inference_mode()
         with context:
             assert_module_matches_stock(stock, slim, x, **masks)

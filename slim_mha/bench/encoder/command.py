@@ -116,7 +116,7 @@ def _takes_stock(encoder: nn.Module, x: torch.Tensor, padding) -> bool:
     with torch.inference_mode():
         if padding is not None and encoder.use_nested_tensor:  # what stock's encoder gives its layers
             x, padding = torch._nested_tensor_from_mask(x, padding.logical_not(), mask_check=False), None
-        return layer_path(encoder.layers[0], x, None, padding) == "stock"
+        return layer_path(encoder.layers[0], x, None, padding)[0] != "slim"
 
 
 def format_encoder(results: list[dict]) -> str:
@@ -140,7 +140,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "encoder",
         help="nn.TransformerEncoder in inference: patched against stock's fused layer",
         description="Time nn.TransformerEncoder (2 layers, B=4 E=256 H=8, feed-forward 1024) in inference,\n"
-        "stock against slim_mha.patched(), with and without a padding mask (slim_mha/bench/encoder.py).",
+        "stock against slim_mha.patched(), with and without a padding mask (slim_mha/bench/encoder/command.py).",
         examples=_EXAMPLES,
     )
     add_device_option(parser)
