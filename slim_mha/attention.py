@@ -257,10 +257,16 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory
         # behind a batch-first view wherever stock's Python path would run (training, above all).
         batch_major = batch_first and (not is_batched or stock_fast_path)
-        out = merge_heads(out, batch_major)
+        # Where SDPA wrote (B, L, H, D) memory, the heads merge for free and stock's (L, B, E) memory
+        # is laid out after the output projection: the projection then saves SDPA's output itself for
+        # backward, which SDPA saves anyway, not a copy beside it (stock's output is its SDPA output).
+        late = batch_first and not batch_major and out.transpose(1, 2).is_contiguous()
+        out = merge_heads(out, batch_major or late)
         del q, k, v, mask  # free the projections before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
-        if batch_first and not batch_major:
+        if late:
+            out = out.transpose(0, 1).contiguous().transpose(0, 1)  # (B, L, E) view of (L, B, E) memory
+        elif batch_first and not batch_major:
             out = out.transpose(0, 1)  # (B, L, E) view of (L, B, E) memory, as stock returns it
         if not is_batched:
             out = out.squeeze(0)

@@ -33,3 +33,8 @@ def set_batch() -> tuple:
 
 
 NOT_CALLABLE = 3
+
+
+def no_attention() -> nn.Module:
+    """A model without attention: nothing for the model command to measure."""
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU())

@@ -23,7 +23,10 @@ def test_nn_transformer_with_two_inputs_agrees_and_is_timed(tmp_path, capsys):
         timed = result[mode]
         assert (timed["stalled"] and timed["stock_over_slim"] is None) or timed["stock_over_slim"] > 0
         assert timed["peak_bytes"]["slim"] > 0
-    assert "3 attention module(s) made slim" in capsys.readouterr().out
+    saved = result["train"]["saved_bytes"]  # what autograd keeps for backward, beside the peak
+    assert saved["stock"] > 0 and saved["slim"] > 0
+    out = capsys.readouterr().out
+    assert "3 attention module(s) made slim" in out and "saved for backward in a training step: stock" in out
 
 
 def test_a_model_of_our_own_with_an_input_function_and_dict_outputs(tmp_path, capsys):
@@ -43,6 +46,7 @@ def test_a_model_of_our_own_with_an_input_function_and_dict_outputs(tmp_path, ca
     (["_bench_models:SetPooling", "--input", "2x10x5"], "--input: the model rejected its inputs: RuntimeError"),
     (["_bench_models:set_batch", "--input", "2x3"], "returned a tuple, not an nn.Module"),
     (["_bench_models:SetPooling"], "give the model's inputs"),
+    (["_bench_models:no_attention", "--input", "2x3"], "the model holds no nn.MultiheadAttention"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(arguments, message, capsys):
     assert bench.main(["model", *arguments, *QUICK]) == 2

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..measure.allocator import allocator_state
-from ..measure.memory import profile_step
+from ..measure.memory import profile_step, saved_tensor_bytes
 from ..measure.options import (
     add_device_option,
     add_timing_options,
@@ -200,12 +200,17 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
                     model.zero_grad(set_to_none=True)
 
             calls[name] = (step, reset)
-        peaks = {}
+        peaks, saved = {}, {}
         for name, (step, reset) in calls.items():
             reset()
             step()  # warm
             reset()
             peaks[name] = profile_step(step, device).peak_bytes
+            if mode == "train":  # what autograd keeps for backward, parameters and inputs left out
+                reset()
+                model = stock if name == "stock" else slim
+                inputs = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, Tensor)]
+                saved[name] = saved_tensor_bytes(step, list(model.parameters()) + inputs)
         summaries = measure(calls, device, settings)
         stalled = sorted(name for name, summary in summaries.items() if summary.stalled)
         results[mode] = {
@@ -214,6 +219,7 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
             "stock_over_slim": None if stalled else median_of_ratios(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
             "stalled": stalled,
             "peak_bytes": peaks,
+            **({"saved_bytes": saved} if saved else {}),
         }
     return results
 
@@ -240,6 +246,14 @@ def benchmark_model(
         raise ModelInputError(f"{target}: the two builds differ, so weights cannot be shared ({first}); "
                               "build the model deterministically") from None
     swapped = sum(isinstance(module, SlimMultiheadAttention) for module in slim.modules())
+    if not swapped:
+        held = any(isinstance(module, nn.MultiheadAttention) for module in stock.modules())
+        raise ModelInputError(
+            f"{target}: no attention module became slim, so there is nothing to measure: "
+            + ("its nn.MultiheadAttention modules were not built through torch.nn while patched (a class alias "
+               "bound before patch()?); build them as nn.MultiheadAttention" if held else
+               "the model holds no nn.MultiheadAttention; give a model that does")
+        )
     args = _inputs(shapes, input_fn, dtype, device)
     try:
         with torch.no_grad():
@@ -279,6 +293,9 @@ def format_model(result: dict) -> str:
             f"{mode:<10} {r['stock_ms']:>9.2f} {r['slim_ms']:>9.2f} {ratio:>10} "
             f"{_size(peaks['stock']):>11} {_size(peaks['slim']):>10}"
         )
+    saved = result["train"].get("saved_bytes")
+    if saved:
+        lines.append(f"saved for backward in a training step: stock {_size(saved['stock'])}, slim {_size(saved['slim'])}")
     lines.append("stock/slim: the median over interleaved repeats of stock's time over slim's; above 1 slim is faster.")
     return "\n".join(lines)
 
@@ -293,7 +310,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "model",
         help="your own model: built stock and patched, compared and timed",
         description="Build MODULE:CALLABLE (called with no arguments) stock and under slim_mha.patched(), check\n"
-        "that they agree, and time inference and a training step of both (slim_mha/bench/model.py).",
+        "that they agree, and time inference and a training step of both (slim_mha/bench/model/command.py).",
         examples=_EXAMPLES,
     )
     parser.add_argument("target", metavar="MODULE:CALLABLE", help="what builds the model, e.g. torchvision.models:vit_b_16")
