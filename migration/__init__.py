@@ -52,7 +52,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from .report import MigrationReport, ModuleReport, format_report
+from .report import MigrationReport, ModuleReport, NothingToDo, format_report
 
 # Nothing here imports torch: the CLI imports this package before it can catch a Ctrl-C, so the heavy
 # modules (``._migrate``, and torch with it) are imported on first use, inside the CLI's guard.
@@ -61,6 +61,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MigrationReport",
     "ModuleReport",
+    "NothingToDo",
     "format_report",
     "fold_checkpoint",
     "fold_state_dict",
@@ -95,6 +96,8 @@ def strip_checkpoint(
     progress: bool | None = None,
     follow_outside_links: bool = False,
     allow_expand: bool = False,
+    keep: Iterable[str] = (),
+    keep_inexact: bool = False,
 ) -> MigrationReport:
     """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): ``E`` fewer values per
     attention module, which only slim_mha loads. Refuses where dropping the key bias is not exact.
@@ -134,16 +137,21 @@ def strip_checkpoint(
         follow_outside_links: copy companions, and read shards, that symbolic links take outside SRC.
         allow_expand: write a torch file whose tensors expand far beyond its stored bytes (a view that
             repeats a small tensor, written out in full); refused by default, before anything is written.
+        keep: names or glob patterns of modules to leave as they are (strip only); the report names each.
+        keep_inexact: leave as they are the modules strip cannot convert exactly (``add_bias_kv``, marked
+            ``add_zero_attn``) instead of refusing the file; the report names each, and why (strip only).
+
+    Raises:
+        NothingToDo: (a ``ValueError``) the checkpoint is already in this layout; nothing was written.
 
     Output files and folders get their source's permission bits, as ``cp -p`` does, whatever the umask.
     """
-    from ._migrate import migrate
+    from ._migrate import MigrationOptions, migrate
 
-    return migrate(
-        "strip", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
-        verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
-        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
-    )
+    return migrate("strip", source, destination, MigrationOptions(
+        tuple(zero_attn), fold_value_bias, verify, dry_run, force, companions, progress, follow_outside_links,
+        allow_expand, tuple(keep) if not isinstance(keep, str) else keep, keep_inexact,
+    ))
 
 
 def fold_checkpoint(
@@ -167,13 +175,11 @@ def fold_checkpoint(
     their key bias and are left as stock has them; a key-bias-free input is turned back into stock's
     layout. The arguments are those of :func:`strip_checkpoint`.
     """
-    from ._migrate import migrate
+    from ._migrate import MigrationOptions, migrate
 
-    return migrate(
-        "fold", source, destination, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
-        verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
-        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
-    )
+    return migrate("fold", source, destination, MigrationOptions(
+        zero_attn, fold_value_bias, verify, dry_run, force, companions, progress, follow_outside_links, allow_expand,
+    ))
 
 
 def to_stock_checkpoint(
@@ -195,13 +201,11 @@ def to_stock_checkpoint(
     The dropped key bias comes back as a zero slice of ``in_proj_bias`` (and a folded value bias as a
     zero value slice). The arguments are those of :func:`strip_checkpoint`.
     """
-    from ._migrate import migrate
+    from ._migrate import MigrationOptions, migrate
 
-    return migrate(
-        "to-stock", source, destination, zero_attn=zero_attn, verify=verify, dry_run=dry_run,
-        force=force, companions=companions, progress=progress,
-        follow_outside_links=follow_outside_links, allow_expand=allow_expand,
-    )
+    return migrate("to-stock", source, destination, MigrationOptions(
+        zero_attn, False, verify, dry_run, force, companions, progress, follow_outside_links, allow_expand,
+    ))
 
 
 def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:

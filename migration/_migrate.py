@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ from ._destination import (
 )
 from ._inputs import open_input
 from ._modules import AttentionGroup, find_attention_modules
-from ._plan import MODES, ModulePlan, already_folded, migrated_tensors, plan_module
+from ._plan import MODES, ModulePlan, already_folded, keep_module, migrated_tensors, plan_module
 from ._staging import Staging, pause_for_tests, remove_litter, sync_files
 from ._text import option, plural, shown
 from ._verify import (
@@ -62,8 +63,8 @@ from ._verify import (
     tolerance_for,
 )
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
-from ._zero_attn import check_patterns, records_zero_attn, zero_attn_modules
-from .report import MigrationReport, ModuleReport, format_size
+from ._zero_attn import check_patterns, matching_modules, records_zero_attn, zero_attn_modules
+from .report import MigrationReport, ModuleReport, NothingToDo, format_size
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 # A torch file may hold a view that repeats a small storage (``expand``): written out, it takes its full
@@ -85,104 +86,142 @@ def inspect_source(source: str | os.PathLike, *, zero_attn: Iterable[str] = ()) 
         return _report(checkpoint, "inspect", None, modules)
 
 
-def migrate(
-    mode: str,
-    source: str | os.PathLike,
-    destination: str | os.PathLike,
-    *,
-    zero_attn: Iterable[str] = (),
-    fold_value_bias: bool = False,
-    verify: bool = False,
-    dry_run: bool = False,
-    force: bool = False,
-    companions: bool = True,
-    progress: bool | None = None,
-    follow_outside_links: bool = False,
-    allow_expand: bool = False,
-) -> MigrationReport:
+@dataclass(frozen=True)
+class MigrationOptions:
+    """The options of one run, carried whole from the public functions to the writer (their meaning:
+    :func:`slim_mha.migration.strip_checkpoint`)."""
+
+    zero_attn: tuple[str, ...] = ()
+    fold_value_bias: bool = False
+    verify: bool = False
+    dry_run: bool = False
+    force: bool = False
+    companions: bool = True
+    progress: bool | None = None
+    follow_outside_links: bool = False
+    allow_expand: bool = False
+    keep: tuple[str, ...] = ()  # strip: modules left as they are, by name or glob pattern
+    keep_inexact: bool = False  # strip: leave as they are the modules it cannot convert exactly
+
+
+def migrate(mode: str, source: str | os.PathLike, destination: str | os.PathLike, options: MigrationOptions) -> MigrationReport:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if fold_value_bias and mode == "to-stock":
+    if options.fold_value_bias and mode == "to-stock":
         raise ValueError("fold_value_bias applies to strip and fold only; to-stock restores the stock layout")
+    if (options.keep or options.keep_inexact) and mode != "strip":
+        raise ValueError(f"{option('keep')} and {option('keep_inexact')} apply to strip only; {mode} converts every module it can")
     source, destination = Path(source), Path(destination)
     if destination.name in ("", ".", ".."):  # "." names a folder whose staging must sit beside it, not in it
         destination = Path(os.path.abspath(destination))
-    zero_attn = check_patterns(zero_attn)
+    options = replace(options, zero_attn=check_patterns(options.zero_attn), keep=check_patterns(options.keep, "keep"))
     if not source.exists():
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
     if kind in ("file", "torch") and destination.is_dir():  # as cp does: into the folder, under SRC's name
         destination = destination / output_name(source.name)
-    if not destination.parent.resolve().is_dir() and not dry_run:
+    if not destination.parent.resolve().is_dir() and not options.dry_run:
         raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
     # Before the checks: litter may hold the previous DST, moved aside by a run killed mid-replace.
-    notes = () if dry_run else remove_litter(destination)
-    check_destination(source, kind, destination, force=force, dry_run=dry_run)
+    notes = () if options.dry_run else remove_litter(destination)
+    check_destination(source, kind, destination, force=options.force, dry_run=options.dry_run)
 
-    with open_checkpoint(source, follow_outside_links=follow_outside_links) as checkpoint:
-        return _migrate_opened(
-            checkpoint, mode, destination, notes, zero_attn=zero_attn, fold_value_bias=fold_value_bias,
-            verify=verify, dry_run=dry_run, force=force, companions=companions, progress=progress,
-            follow_outside_links=follow_outside_links, allow_expand=allow_expand,
-        )
+    with open_checkpoint(source, follow_outside_links=options.follow_outside_links) as checkpoint:
+        return _migrate_opened(checkpoint, mode, destination, notes, options)
 
 
-def _migrate_opened(
-    checkpoint: Checkpoint, mode: str, destination: Path, notes: tuple[str, ...], *, zero_attn: tuple[str, ...],
-    fold_value_bias: bool, verify: bool, dry_run: bool, force: bool, companions: bool, progress: bool | None,
-    follow_outside_links: bool, allow_expand: bool,
-) -> MigrationReport:
+def _plans(checkpoint: Checkpoint, mode: str, options: MigrationOptions) -> list[ModulePlan]:
+    """Every module's plan, each module that ``keep`` names or that strip cannot convert exactly kept
+    as it is where asked; refused (nothing written) where a module cannot be converted exactly."""
     source = checkpoint.source
-    if not allow_expand:
-        _check_expansion(checkpoint)
     groups = find_attention_modules(checkpoint)
     if not groups:
-        raise ValueError(
+        raise NothingToDo(
             f"{shown(source)}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
             "q_proj_weight); nothing was written"
         )
-    marked = zero_attn_modules(zero_attn, groups, checkpoint)
-    recorded = records_zero_attn(checkpoint)
-    plans = [
-        plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
-        for group in groups
-    ]
+    marked = zero_attn_modules(options.zero_attn, groups, checkpoint)
+    kept = matching_modules(options.keep, groups, checkpoint, "keep")
+    plans = []
+    for group in groups:
+        plan = plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=options.fold_value_bias)
+        if group.name in kept:
+            plan = keep_module(plan, f"{option('keep')}")
+        elif plan.refusal and options.keep_inexact:
+            plan = keep_module(plan, f"{option('keep_inexact')}: {plan.refusal}")
+        plans.append(plan)
     refused = [plan for plan in plans if plan.refusal]
     if refused:
         first = refused[0]
         others = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        keep = f" (or pass {option('keep_inexact')} to strip the rest and leave such modules as they are)"
         raise ValueError(
             f"{shown(source)}: {mode} cannot convert '{shown(first.group.name)}'{others} exactly: "
-            f"{first.refusal}; nothing was written"
+            f"{first.refusal}{keep if mode == 'strip' else ''}; nothing was written"
         )
+    return plans
+
+
+def _migrate_opened(
+    checkpoint: Checkpoint, mode: str, destination: Path, notes: tuple[str, ...], options: MigrationOptions
+) -> MigrationReport:
+    source = checkpoint.source
+    if not options.allow_expand:
+        _check_expansion(checkpoint)
+    plans = _plans(checkpoint, mode, options)
     readers = {plan.group.prefix: _reader(plan.group) for plan in plans}  # each tensor read once in the run
     plans = [already_folded(plan, readers[plan.group.prefix]) for plan in plans]
     if not any(plan.changes for plan in plans):
-        raise ValueError(f"{shown(source)}: nothing to do: {_unchanged(plans)}; nothing was written")
+        raise NothingToDo(f"{shown(source)}: nothing to do: {_unchanged(plans)}; nothing was written")
 
+    recorded = records_zero_attn(checkpoint)
     rewritten: dict[str, dict[str, torch.Tensor]] = {}  # module prefix -> its new tensors by local name
     modules = []
     for plan in plans:
-        group = plan.group
-        read = readers.pop(group.prefix)  # one module at a time: each of its tensors is read at most once
+        read = readers.pop(plan.group.prefix)  # one module at a time: each of its tensors is read at most once
         tensors = migrated_tensors(plan, read) if plan.changes else {}
-        error = _verify_module(plan, tensors, read) if verify and plan.changes else None
-        rewritten[group.prefix] = tensors
+        error = _verify_module(plan, tensors, read) if options.verify and plan.changes else None
+        rewritten[plan.group.prefix] = tensors
         modules.append(
-            _module_report(group, plan.zero_attn, recorded=recorded, plan=plan, verify_error=error, read=read)
+            _module_report(plan.group, plan.zero_attn, recorded=recorded, plan=plan, verify_error=error, read=read)
         )
-
     outputs = _output_files(checkpoint, plans, rewritten)
+    written, write_notes, output_bytes, copied = _write_planned(checkpoint, mode, destination, plans, outputs, options)
+    assumed = tuple(
+        module.name for module in modules if module.changed and module.zero_attn is None
+    ) if options.verify else ()
+    return _report(
+        checkpoint, mode, destination, tuple(modules),
+        output_tensors=sum(len(tensors) for _, tensors in outputs), output_bytes=output_bytes,
+        dry_run=options.dry_run, written=not options.dry_run, verified=options.verify,
+        files_read_back=len(written) if options.verify else 0, assumed_no_zero_attn=assumed,
+        companions=tuple(companion.name for companion in copied), extra_notes=(*notes, *write_notes),
+    )
+
+
+def _metadata(mode: str, plans: list[ModulePlan]) -> dict[str, str]:
+    """The run's provenance, written into every output file."""
     metadata = {"slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": mode}
     if any(plan.fold_value for plan in plans):
         metadata["slim_mha.value_bias_folded"] = "eval-only"
     zero_attn_names = sorted(plan.group.name for plan in plans if plan.zero_attn)
     if zero_attn_names:  # read back by the next run (zero_attn_modules), so a round trip keeps the mark
         metadata["slim_mha.zero_attn_modules"] = ",".join(zero_attn_names)
-    found, skipped = find_companions(checkpoint, follow_outside_links=follow_outside_links)
-    copied = found if companions else []
-    if found and not companions:
-        skipped = [f"did not copy {plural(len(found), 'companion file')} ({option('no_companions')})"]
+    return metadata
+
+
+def _write_planned(
+    checkpoint: Checkpoint, mode: str, destination: Path, plans: list[ModulePlan],
+    outputs: list[tuple[str, list[OutputTensor]]], options: MigrationOptions,
+) -> tuple[dict[str, int], tuple[str, ...], int, list[Companion]]:
+    """Check the destination and the free space, then write (or, in a dry run, check SRC once more).
+    Returns the written sizes, notes, the output's bytes and the companions copied."""
+    metadata = _metadata(mode, plans)
+    found, skipped = find_companions(checkpoint, follow_outside_links=options.follow_outside_links)
+    copied = found if options.companions else []
+    notes: tuple[str, ...] = tuple(skipped)
+    if found and not options.companions:
+        notes = (f"did not copy {plural(len(found), 'companion file')} ({option('no_companions')})",)
     writes = {name for name, _ in outputs} | ({checkpoint.index_name} if checkpoint.kind == "sharded" else set())
     writes |= {companion.name for companion in copied}
     reads = input_files(checkpoint, found)
@@ -196,31 +235,15 @@ def _migrate_opened(
     # The sizes the files will have on disk; a companion record of the same length stands in for the
     # digests, which are known only once the files are copied.
     placeholder = {companion.name: "0" * 64 for companion in copied}
-    planned = _planned_sizes(checkpoint, outputs, metadata, placeholder)
-    output_bytes = sum(planned.values())
+    output_bytes = sum(_planned_sizes(checkpoint, outputs, metadata, placeholder).values())
     _check_free_space(destination, output_bytes + sum(companion.size for companion in copied))
-    written = {}
-    if not dry_run:
-        written, write_notes = _write_output(
-            checkpoint, destination, outputs, metadata, copied, force=force, check=check, progress=progress,
-            verify=verify, follow_outside_links=follow_outside_links,
-        )
-        notes += write_notes
-        output_bytes = sum(written.values())  # what is on disk, which the plan predicted
-    else:
+    if options.dry_run:
         checkpoint.check_unchanged()  # what the dry run planned and verified is what SRC holds
         if not destination.parent.resolve().is_dir():
             notes += (f"{shown(destination.parent)} does not exist yet: create it before the real run",)
-    assumed = tuple(
-        module.name for module in modules if module.changed and module.zero_attn is None
-    ) if verify else ()
-    return _report(
-        checkpoint, mode, destination, tuple(modules),
-        output_tensors=sum(len(tensors) for _, tensors in outputs), output_bytes=output_bytes,
-        dry_run=dry_run, written=not dry_run, verified=verify,
-        files_read_back=len(written) if verify else 0, assumed_no_zero_attn=assumed,
-        companions=tuple(companion.name for companion in copied), extra_notes=(*notes, *skipped),
-    )
+        return {}, notes, output_bytes, copied
+    written, write_notes = _write_output(checkpoint, destination, outputs, metadata, copied, options, check=check)
+    return written, write_notes + notes, sum(written.values()), copied
 
 
 def _check_expansion(checkpoint: Checkpoint) -> None:
@@ -429,19 +452,16 @@ def _write_output(
     files: list[tuple[str, list[OutputTensor]]],
     provenance: dict[str, str],
     companions: list[Companion],
+    options: MigrationOptions,
     *,
-    force: bool,
     check: Callable[[], None],
-    progress: bool | None,
-    verify: bool,
-    follow_outside_links: bool,
 ) -> tuple[dict[str, int], tuple[str, ...]]:
     """Write the output into a staging path and move it into place; on any failure, including an
     interruption, the staging path is removed and DST is left as it was. Returns each written file's
     size on disk (shards and index), and notes for the report."""
-    shards = {shard.name: shard for shard in checkpoint.shards}
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
     total += sum(companion.size for companion in companions)
+    progress = options.progress
     if progress is None:
         progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
@@ -449,73 +469,95 @@ def _write_output(
     # cp -p: each file keeps its source's permission bits, the folder its source folder's (a replaced
     # DST its own, less any the source lacks), whatever the umask.
     folder_source = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
-    root = Path(os.path.realpath(folder_source))
     if checkpoint.writes_directory:
-        mode = output_permissions(permissions(folder_source), destination, force=force)
+        mode = output_permissions(permissions(folder_source), destination, force=options.force)
     else:
-        mode = output_permissions(checkpoint.shards[0].file.mode, destination, force=force)
+        mode = output_permissions(checkpoint.shards[0].file.mode, destination, force=options.force)
     staging = Staging(destination, directory=checkpoint.writes_directory, mode=mode)
-    sizes: dict[str, int] = {}
     try:
         with staging:
             # Companions first: the record of their digests goes into the files written after them.
-            digests = {}
-            for companion in companions:
-                bar.set_postfix_str(companion.name, refresh=False)
-                target = staging.path / companion.name
-                # Opened and judged again: the listing is only where to look; the opened file is what is copied.
-                opened = open_input(companion.path, root, follow_outside_links=follow_outside_links)
-                try:
-                    digests[companion.name] = copy_file(opened, target, bar.update, mode=opened.mode)
-                finally:
-                    opened.close()
-                if verify and file_digest(target) != digests[companion.name]:
-                    raise RuntimeError(
-                        f"{shown(destination / companion.name)}: {option('verify')} read the copied file back and it "
-                        f"differs from {shown(companion.path)}; nothing was written"
-                    )
-            sync_files(staging.path, [companion.name for companion in companions])
-            for number, (name, tensors) in enumerate(files):
-                path, final = (staging.path / name, destination / name) if checkpoint.writes_directory else (
-                    staging.path, destination)
-                file_mode = mode if not checkpoint.writes_directory else shards[name].file.mode
-                bar.set_postfix_str(name, refresh=False)
-                metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
-                sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
-                if number == 0:
-                    pause_for_tests("after-first-shard")
-                if verify:
-                    check_written_file(path, tensors, shown_as=final)
-            if checkpoint.kind == "sharded":
-                text = _index_text(checkpoint, files, provenance, digests)
-                index = staging.path / checkpoint.index_name
-                _write_index(index, text, checkpoint.index_file.mode)
-                sizes[checkpoint.index_name] = len(text.encode("utf-8"))
-                if verify:
-                    check_written_text(index, text, shown_as=destination / checkpoint.index_name)
+            root = Path(os.path.realpath(folder_source))
+            digests = _copy_companions(staging.path, destination, companions, root, options, bar)
+            sizes = _write_files(checkpoint, staging.path, destination, files, provenance, digests, mode, options, bar)
             pause_for_tests("before-commit")
             checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
-            staging.commit(replace=force or _is_empty_directory(destination), check=check)
+            staging.commit(replace=options.force or _is_empty_directory(destination), check=check)
             pause_for_tests("after-commit")
         return sizes, tuple(staging.notes)
     except OSError as exc:
         if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
             raise  # already names the user's path
-        if staging.committed:
-            state = f"{shown(destination)} was written completely, but syncing its folder failed"
-        elif os.path.lexists(destination):
-            state = f"{shown(destination)} was left as it was"
-        else:
-            state = "nothing was written"
-        reason = exc.strerror or str(exc)
-        culprit = os.fspath(exc.filename) if exc.filename is not None else None
-        if culprit and not culprit.startswith(os.fspath(staging.path)):  # an input, named as the user named it
-            reason = f"{shown(culprit)}: {reason}"
-        error = OSError(f"{shown(destination)}: cannot write the output ({reason}); {state}")
-        error.errno = exc.errno
-        raise error from None
+        raise _write_error(exc, destination, staging) from None
     finally:
         bar.close()
+
+
+def _copy_companions(
+    staging: Path, destination: Path, companions: list[Companion], root: Path, options: MigrationOptions, bar
+) -> dict[str, str]:
+    """Copy each companion file into the staging folder; returns their digests."""
+    digests = {}
+    for companion in companions:
+        bar.set_postfix_str(companion.name, refresh=False)
+        target = staging / companion.name
+        # Opened and judged again: the listing is only where to look; the opened file is what is copied.
+        opened = open_input(companion.path, root, follow_outside_links=options.follow_outside_links)
+        try:
+            digests[companion.name] = copy_file(opened, target, bar.update, mode=opened.mode)
+        finally:
+            opened.close()
+        if options.verify and file_digest(target) != digests[companion.name]:
+            raise RuntimeError(
+                f"{shown(destination / companion.name)}: {option('verify')} read the copied file back and it "
+                f"differs from {shown(companion.path)}; nothing was written"
+            )
+    sync_files(staging, [companion.name for companion in companions])
+    return digests
+
+
+def _write_files(
+    checkpoint: Checkpoint, staging: Path, destination: Path, files: list[tuple[str, list[OutputTensor]]],
+    provenance: dict[str, str], digests: dict[str, str], mode: int, options: MigrationOptions, bar,
+) -> dict[str, int]:
+    """Write every shard (and a sharded checkpoint's index) into the staging path; their sizes."""
+    shards = {shard.name: shard for shard in checkpoint.shards}
+    sizes: dict[str, int] = {}
+    for number, (name, tensors) in enumerate(files):
+        path, final = (staging / name, destination / name) if checkpoint.writes_directory else (staging, destination)
+        file_mode = mode if not checkpoint.writes_directory else shards[name].file.mode
+        bar.set_postfix_str(name, refresh=False)
+        metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
+        sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
+        if number == 0:
+            pause_for_tests("after-first-shard")
+        if options.verify:
+            check_written_file(path, tensors, shown_as=final)
+    if checkpoint.kind == "sharded":
+        text = _index_text(checkpoint, files, provenance, digests)
+        index = staging / checkpoint.index_name
+        _write_index(index, text, checkpoint.index_file.mode)
+        sizes[checkpoint.index_name] = len(text.encode("utf-8"))
+        if options.verify:
+            check_written_text(index, text, shown_as=destination / checkpoint.index_name)
+    return sizes
+
+
+def _write_error(exc: OSError, destination: Path, staging: Staging) -> OSError:
+    """A failed write, said in one line that names DST and what state it is in."""
+    if staging.committed:
+        state = f"{shown(destination)} was written completely, but syncing its folder failed"
+    elif os.path.lexists(destination):
+        state = f"{shown(destination)} was left as it was"
+    else:
+        state = "nothing was written"
+    reason = exc.strerror or str(exc)
+    culprit = os.fspath(exc.filename) if exc.filename is not None else None
+    if culprit and not culprit.startswith(os.fspath(staging.path)):  # an input, named as the user named it
+        reason = f"{shown(culprit)}: {reason}"
+    error = OSError(f"{shown(destination)}: cannot write the output ({reason}); {state}")
+    error.errno = exc.errno
+    return error
 
 
 def _is_empty_directory(path: Path) -> bool:
@@ -565,4 +607,4 @@ def _report(
     )
 
 
-__all__ = ["FORMAT_VERSION", "INDEX_NAME", "SINGLE_NAME", "inspect_source", "migrate"]
+__all__ = ["FORMAT_VERSION", "INDEX_NAME", "SINGLE_NAME", "MigrationOptions", "inspect_source", "migrate"]

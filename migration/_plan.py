@@ -127,6 +127,11 @@ def _plan_fold(group: AttentionGroup, zero_attn: bool, fold_value: bool) -> Modu
     return _with_value_fold(group, "fold", zero_attn, fold_value, actions, set(), placed)
 
 
+def keep_module(plan: ModulePlan, why: str) -> ModulePlan:
+    """``plan``'s module left as it is: no tensor changed, and the report says why."""
+    return ModulePlan(plan.group, plan.mode, plan.zero_attn, f"kept as it is ({why})")
+
+
 def already_folded(plan: ModulePlan, read: Callable[[str], Tensor]) -> ModulePlan:
     """``fold``'s plan for a module whose key slot is already zero: nothing to do, as ``strip`` and
     ``to-stock`` say for a module already in their layout (the data decides, so it is read here)."""

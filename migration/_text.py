@@ -32,6 +32,8 @@ _OPTIONS = {
     "verify": ("verify=True", "--verify"),
     "follow_outside_links": ("follow_outside_links=True", "--follow-outside-links"),
     "allow_expand": ("allow_expand=True", "--allow-expand"),
+    "keep": ("keep", "--keep"),
+    "keep_inexact": ("keep_inexact=True", "--keep-inexact"),
 }
 
 

@@ -19,34 +19,42 @@ from ._text import option, shown
 __all__ = ["check_patterns", "records_zero_attn", "zero_attn_modules"]
 
 
-def check_patterns(zero_attn: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(zero_attn, str):
-        raise ValueError(f"zero_attn must be a list of module names or patterns, got the string {zero_attn!r}")
-    patterns = tuple(zero_attn)
-    for pattern in patterns:
+def check_patterns(patterns: Iterable[str], option_name: str = "zero_attn") -> tuple[str, ...]:
+    """Module names or glob patterns as given for ``option_name``: a list, each a module name."""
+    if isinstance(patterns, str):
+        raise ValueError(f"{option_name} must be a list of module names or patterns, got the string {patterns!r}")
+    checked = tuple(patterns)
+    for pattern in checked:
         if not isinstance(pattern, str) or not pattern.strip("."):
             raise ValueError(
-                f"{option('zero_attn')} {shown(repr(pattern))}: expected a module name such as "
+                f"{option(option_name)} {shown(repr(pattern))}: expected a module name such as "
                 "'decoder.layers.0.self_attn'"
             )
-    return patterns
+    return checked
 
 
-def zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint) -> set[str]:
-    """The modules marked add_zero_attn: by the user's patterns, and by the checkpoint's own metadata
-    (``slim_mha.zero_attn_modules``, written by an earlier run), which a round trip must not lose."""
-    source = checkpoint.source
+def matching_modules(
+    patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint, option_name: str
+) -> set[str]:
+    """The modules the user's patterns name; a pattern that names none is refused, with an example."""
     names = [group.name for group in groups]
-    marked = recorded_zero_attn(checkpoint, set(names))
+    matched: set[str] = set()
     for pattern in patterns:
         hits = [name for name in names if fnmatch.fnmatchcase(name, pattern.rstrip("."))]
         if not hits:
             example = f"; modules are named like '{shown(names[0])}' (see inspect)" if names else ""
             raise ValueError(
-                f"{shown(source)}: {option('zero_attn')} '{shown(pattern)}' matches no attention module{example}"
+                f"{shown(checkpoint.source)}: {option(option_name)} '{shown(pattern)}' matches no attention module{example}"
             )
-        marked.update(hits)
-    return marked
+        matched.update(hits)
+    return matched
+
+
+def zero_attn_modules(patterns: tuple[str, ...], groups: list[AttentionGroup], checkpoint: Checkpoint) -> set[str]:
+    """The modules marked add_zero_attn: by the user's patterns, and by the checkpoint's own metadata
+    (``slim_mha.zero_attn_modules``, written by an earlier run), which a round trip must not lose."""
+    marked = recorded_zero_attn(checkpoint, {group.name for group in groups})
+    return marked | matching_modules(patterns, groups, checkpoint, "zero_attn")
 
 
 def recorded_zero_attn(checkpoint: Checkpoint, names: set[str]) -> set[str]:

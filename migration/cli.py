@@ -1,7 +1,8 @@
 """``slim-mha-migrate`` / ``python -m slim_mha.migration``: ``main`` wires the four subcommands together.
 
 Usage mistakes exit with 2 through ``parser.error``; a run that fails (a bad file, a refusal, a
-``--verify`` mismatch) prints one line naming the file and the key and exits with 1. No traceback
+``--verify`` mismatch) prints one line naming the file and the key and exits with 1; a run with nothing
+to do (the checkpoint is already in the layout asked for) says so and exits with 3. No traceback
 reaches the user, whatever the input or the environment: anything unexpected is still one line.
 
 SIGTERM and SIGHUP (what ``timeout``, docker and Slurm send) clean up like Ctrl-C, and exit with
@@ -29,6 +30,7 @@ from . import (
 )
 from ._staging import Journal, journal
 from ._text import cli_spelling, shown
+from .report import NOTHING_TO_DO_STATUS, NothingToDo
 
 PROG = "slim-mha-migrate"
 
@@ -52,7 +54,11 @@ model.safetensors, pytorch_model-00001-of-00002.bin model-00001-of-00002.safeten
 pytorch_model.bin.index.json model.safetensors.index.json), and the other files of SRC's folder
 (config.json, tokenizer files, README...; not subfolders, not other weight files, not files that
 symbolic links take outside SRC) are copied unchanged unless --no-companions. DST appears complete
-or not at all, with the permission bits of its source (as cp -p), and never inside SRC."""
+or not at all, with the permission bits of its source (as cp -p), and never inside SRC.
+
+Exit status: 0 written (or planned, with --dry-run); 1 failed, nothing written unless the message says
+so; 2 a usage mistake; 3 nothing to do: SRC is already in the layout asked for, nothing was written (a
+pipeline that re-runs its migration can treat 3 as done); 128 + N stopped by signal N."""
 
 _SUBCOMMANDS = {
     "strip": (
@@ -61,11 +67,14 @@ _SUBCOMMANDS = {
 Write the key-bias-free layout: in_proj_bias becomes q_proj_bias and v_proj_bias, and the key bias
 leaves the file. Use it for a file without the key bias when only slim_mha will load it; stock
 nn.MultiheadAttention cannot (to-stock converts it back). Exact unless tokens are appended after the
-projection: modules with bias_k, or marked --zero-attn, are refused with a pointer to `fold`.""",
+projection: modules with bias_k, or marked --zero-attn, are refused with a pointer to `fold`, unless
+--keep-inexact leaves them as they are; --keep leaves any module you name as it is.""",
         """\
 examples:
   {prog} strip model.safetensors model.slim.safetensors
   {prog} strip ckpt/ ckpt-slim/ --verify
+  {prog} strip model.safetensors model.slim.safetensors --keep memory_tokens --keep 'decoder.*.cross_attn'
+  {prog} strip model.safetensors model.slim.safetensors --keep-inexact
   {prog} strip model.pt model.slim.safetensors --dry-run""",
     ),
     "fold": (
@@ -126,6 +135,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         if name != "inspect":
             sub.add_argument("destination", metavar="DST", help="a .safetensors file, or a directory for a sharded SRC")
             _add_run_options(sub, fold_value=name != "to-stock")
+        if name == "strip":
+            _add_keep(sub)
         _add_zero_attn(sub)
         sub.set_defaults(parser=sub)
     return parser
@@ -180,6 +191,23 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
     sub.add_argument("--quiet", action="store_true", help="print nothing on success and show no progress bar")
 
 
+def _add_keep(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--keep",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="leave this module as it is (its key bias stays): a name as inspect lists it, or a glob; "
+        "repeatable; the report names each module kept",
+    )
+    sub.add_argument(
+        "--keep-inexact",
+        action="store_true",
+        help="leave as they are the modules strip cannot convert exactly (bias_k, --zero-attn) instead of "
+        "refusing the file, and strip the rest; the report names each module kept, and why",
+    )
+
+
 def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--zero-attn",
@@ -210,8 +238,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
-    """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage) or 128 + N (signal N) and one
-    line on stderr.
+    """Run the CLI; returns 0, or exits with 1 (failed run), 2 (usage), 3 (nothing to do) or 128 + N
+    (signal N) and one line on stderr.
 
     Without ``argv`` it runs as the program, on ``sys.argv`` (both entry points call it so): Ctrl-C,
     SIGTERM and SIGHUP are then ignored once the run is over, so that a Ctrl-C while Python shuts down
@@ -235,6 +263,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         except KeyboardInterrupt:
             interrupts.armed = False
             sub.exit(128 + interrupts.signal, f"{sub.prog}: {_interrupted(record)}\n")
+        except NothingToDo as exc:
+            interrupts.armed = False
+            sub.exit(NOTHING_TO_DO_STATUS, f"{sub.prog}: {_one_line(exc)}\n")
         except (OSError, ValueError, RuntimeError) as exc:
             interrupts.armed = False
             sub.exit(1, f"{sub.prog}: error: {_one_line(exc)}{_written(record)}\n")
@@ -336,8 +367,12 @@ def _run(args: argparse.Namespace):
     )
     if args.command == "to-stock":
         return to_stock_checkpoint(args.source, args.destination, **options)
-    convert = strip_checkpoint if args.command == "strip" else fold_checkpoint
-    return convert(args.source, args.destination, fold_value_bias=args.fold_value_bias, **options)
+    if args.command == "strip":
+        return strip_checkpoint(
+            args.source, args.destination, fold_value_bias=args.fold_value_bias, keep=args.keep,
+            keep_inexact=args.keep_inexact, **options,
+        )
+    return fold_checkpoint(args.source, args.destination, fold_value_bias=args.fold_value_bias, **options)
 
 
 def _one_line(exc: BaseException) -> str:

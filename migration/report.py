@@ -14,6 +14,15 @@ from ._text import option, plural, shown
 __all__ = ["ModuleReport", "MigrationReport", "format_report", "format_size"]
 
 
+
+class NothingToDo(ValueError):
+    """The checkpoint is already in the layout asked for (or holds no attention module): nothing was
+    written. The CLI exits with :data:`NOTHING_TO_DO_STATUS` for it, so that a pipeline can tell
+    "already done" from a failure."""
+
+
+NOTHING_TO_DO_STATUS = 3
+
 @dataclass(frozen=True)
 class ModuleReport:
     """One attention module, found by its key prefix.

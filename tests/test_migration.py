@@ -185,7 +185,8 @@ def test_strip_refuses_bias_k_and_points_to_fold(tmp_path):
     source = tmp_path / "in.safetensors"
     assert str(caught.value) == (
         f"{source}: strip cannot convert 'attn' exactly: bias_k is present ('attn.bias_k' in {source}), "
-        "so dropping the key bias is not exact; use fold, which folds it into bias_k; nothing was written"
+        "so dropping the key bias is not exact; use fold, which folds it into bias_k (or pass keep_inexact=True to "
+        "strip the rest and leave such modules as they are); nothing was written"
     )
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -197,7 +198,8 @@ def test_strip_refuses_zero_attn_modules(tmp_path):
         strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["a"])
     assert str(caught.value) == (
         f"{tmp_path / 'in.safetensors'}: strip cannot convert 'a' exactly: it is marked add_zero_attn, and the "
-        "zero key makes the key bias matter; use fold, which keeps stock's layout for it; nothing was written"
+        "zero key makes the key bias matter; use fold, which keeps stock's layout for it (or pass keep_inexact=True "
+        "to strip the rest and leave such modules as they are); nothing was written"
     )
     assert not (tmp_path / "out.safetensors").exists()
 

@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import default_sigint, old_output, private_ledger, run_cli  # noqa: F401 (private_ledger: autouse)
 from safetensors.torch import load_file, save_file
+from slim_mha.migration.cli import build_parser
 from slim_mha.migration.report import format_size
 
 PROG = "slim-mha-migrate"
@@ -95,7 +97,7 @@ def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
                               "--zero-attn", "dec.layers.*.attn"], capsys)
     assert code == 1 and "use fold, which keeps stock's layout for it" in err
     code, out, err = run_cli(["to-stock", tmp_path / "folded.safetensors", tmp_path / "back.safetensors"], capsys)
-    assert code == 1 and "all 2 attention modules are already in the stock layout" in err
+    assert code == 3 and "all 2 attention modules are already in the stock layout" in err  # nothing to do
 
 
 def test_inspect_output(tmp_path, stock_file, capsys):
@@ -126,17 +128,14 @@ def test_inspect_output(tmp_path, stock_file, capsys):
         (["strip", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
          "{tmp}/stock.safetensors: strip cannot convert 'dec.attn' exactly: bias_k is present ('dec.attn.bias_k' "
          "in {tmp}/stock.safetensors), so dropping the key bias is not exact; use fold, which folds it into "
-         "bias_k; nothing was written"),
+         "bias_k (or pass --keep-inexact to strip the rest and leave such modules as they are); nothing was written"),
         (["fold", "{tmp}/stock.safetensors", "{tmp}/stock.safetensors", "--force"],
          "{tmp}/stock.safetensors: DST would overwrite the input {tmp}/stock.safetensors; write to another path"),
-        (["to-stock", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
-         "{tmp}/stock.safetensors: nothing to do: all 2 attention modules are already in the stock layout; "
-         "nothing was written"),
         (["inspect", "{tmp}/stock.safetensors", "--zero-attn", "nope"],
          "{tmp}/stock.safetensors: --zero-attn 'nope' matches no attention module; modules are named like "
          "'dec.attn' (see inspect)"),
     ],
-    ids=["missing", "strip_refuses", "same_path", "nothing_to_do", "zero_attn_typo"],
+    ids=["missing", "strip_refuses", "same_path", "zero_attn_typo"],
 )
 def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv, message):
     command = argv[0]
@@ -144,6 +143,22 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path, stock_file, capsys, argv
     assert code == 1
     assert out == ""
     assert err == f"{PROG} {command}: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_nothing_to_do_exits_with_its_own_status_not_a_failures(tmp_path, stock_file, capsys):
+    """A pipeline that re-runs its migration tells "already done" (3) from a failure (1)."""
+    code, out, err = run_cli(["to-stock", stock_file, tmp_path / "out.safetensors"], capsys)
+    assert (code, out) == (3, "")
+    assert err == (
+        f"{PROG} to-stock: {stock_file}: nothing to do: all 2 attention modules are already in the stock layout; "
+        "nothing was written\n"
+    )
+    assert not (tmp_path / "out.safetensors").exists()
+    code, _, _ = run_cli(["fold", stock_file, tmp_path / "once.safetensors"], capsys)
+    assert code == 0
+    code, _, err = run_cli(["fold", tmp_path / "once.safetensors", tmp_path / "twice.safetensors"], capsys)
+    assert code == 3 and "nothing to do" in err and "error" not in err
+    assert "exit status" in build_parser().format_help().lower() and "3 nothing to do" in build_parser().format_help()
 
 
 def test_existing_output_then_force(tmp_path, stock_file, capsys):
@@ -429,12 +444,12 @@ def test_ctrl_c_while_python_shuts_down_after_the_run_changes_nothing(tmp_path):
 def test_the_cli_and_the_api_each_speak_their_own_words(tmp_path, stock_file, capsys):
     (tmp_path / "out.safetensors").write_bytes(b"x")
     with pytest.raises(FileExistsError, match=r"already exists; pass force=True to replace it$"):
-        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors")
+        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", migrate_module.MigrationOptions())
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--zero-attn", ""], capsys)
     assert (code, err) == (1, f"{PROG} fold: error: --zero-attn '': expected a module name such as "
                               "'decoder.layers.0.self_attn'\n")
     with pytest.raises(ValueError, match=r"^zero_attn '': expected a module name"):
-        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", zero_attn=[""])
+        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", migrate_module.MigrationOptions(zero_attn=[""]))
 
 
 def test_escape_characters_in_paths_are_shown_escaped(tmp_path, stock_file, capsys):
@@ -521,3 +536,34 @@ def test_a_bad_environment_gives_one_line_not_a_traceback(tmp_path, stock_file, 
                             env=environment, timeout=120)
     # --verify builds torch's stock class only, so the variable (read by slim attention) plays no part.
     assert (result.returncode, result.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("how", [["--keep", "dec.attn"], ["--keep", "dec.*"], ["--keep-inexact"]])
+def test_strip_keeps_the_modules_named_or_inexact_and_strips_the_rest(tmp_path, stock_file, capsys, how):
+    out = tmp_path / "out.safetensors"
+    code, report, err = run_cli(["strip", stock_file, out, "--verify", *how], capsys)
+    assert (code, err) == (0, ""), err
+    written, source = load_file(out), load_file(stock_file)
+    assert {"enc.attn.q_proj_bias", "enc.attn.v_proj_bias"} <= written.keys() and "enc.attn.in_proj_bias" not in written
+    for key in ("dec.attn.in_proj_bias", "dec.attn.bias_k", "dec.attn.bias_v", "dec.attn.in_proj_weight"):
+        assert torch.equal(written[key], source[key]), key  # left exactly as it was
+    reason = "--keep-inexact: bias_k is present" if how == ["--keep-inexact"] else "kept as it is (--keep)"
+    assert reason in report and "dec.attn" in report
+
+
+def test_keep_names_a_module_that_exists_and_applies_to_strip_only(tmp_path, stock_file, capsys):
+    code, _, err = run_cli(["strip", stock_file, tmp_path / "out.safetensors", "--keep", "nope"], capsys)
+    assert code == 1 and "--keep 'nope' matches no attention module; modules are named like" in err
+    assert not (tmp_path / "out.safetensors").exists()
+    code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--keep", "dec.attn"], capsys)
+    assert code == 2 and "unrecognized arguments: --keep" in err
+
+
+def test_keep_in_the_python_api_and_a_strip_that_keeps_everything_has_nothing_to_do(tmp_path, stock_file):
+    report = migration_package.strip_checkpoint(stock_file, tmp_path / "a.safetensors", keep_inexact=True)
+    kept = [module for module in report.modules if "kept as it is" in module.action]
+    assert [module.name for module in kept] == ["dec.attn"]
+    with pytest.raises(migration_package.NothingToDo, match="nothing to do"):
+        migration_package.strip_checkpoint(stock_file, tmp_path / "b.safetensors", keep=["*"])
+    with pytest.raises(ValueError, match="apply to strip only"):
+        migrate_module.migrate("fold", stock_file, tmp_path / "c.safetensors", migrate_module.MigrationOptions(keep=("dec.attn",)))

@@ -426,7 +426,7 @@ def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
     assert ("verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
             "was built with it, rerun with --zero-attn (see inspect)") in out
     code, out, err = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*.attn"], capsys)
-    assert code == 1 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
+    assert code == 3 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
 
 
 # ------------------------------------------------------------------------ torch < 2.10

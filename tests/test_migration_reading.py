@@ -182,7 +182,7 @@ def test_zero_attn_mark_survives_a_round_trip_cli(tmp_path, zero_attn_stock, cap
     folded, again = tmp_path / "folded.safetensors", tmp_path / "again.safetensors"
     assert run_cli(["fold", source, folded, "--zero-attn", "attn", "--verify"], capsys)[0] == 0
     code, out, err = run_cli(["fold", folded, again, "--verify"], capsys)
-    assert code == 1 and re.search(r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)", err) and not again.exists()  # the same status as strip's
+    assert code == 3 and re.search(r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)", err) and not again.exists()  # the same status as strip's
     code, out, _ = run_cli(["inspect", folded], capsys)
     assert any(line.startswith("attn: ") and line.endswith("add_zero_attn yes") for line in out.splitlines())
     assert torch.equal(load_file(folded)["attn.in_proj_bias"], stock.in_proj_bias.detach())

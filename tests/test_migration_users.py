@@ -61,10 +61,10 @@ def test_fold_with_the_key_slots_already_zero_has_nothing_to_do_as_strip_does(tm
     folded = tmp_path / "folded.safetensors"
     assert run_cli(["fold", layer_file, folded], capsys)[0] == 0
     code, out, err = run_cli(["fold", folded, tmp_path / "again.safetensors"], capsys)
-    assert (code, out) == (1, "") and "nothing to do: its attention module 'self_attn' has its key slot at zero already" in err
+    assert (code, out) == (3, "") and "nothing to do: its attention module 'self_attn' has its key slot at zero already" in err
     stripped = tmp_path / "stripped.safetensors"
     assert run_cli(["strip", layer_file, stripped], capsys)[0] == 0
-    assert run_cli(["strip", stripped, tmp_path / "again.safetensors"], capsys)[0] == 1  # the same status
+    assert run_cli(["strip", stripped, tmp_path / "again.safetensors"], capsys)[0] == 3  # the same status: nothing to do
     assert not (tmp_path / "again.safetensors").exists()
 
 
