@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ._inputs import InputProblem, OpenedFile, open_input
-from ._text import shown, with_article
+from .report import shown, with_article
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ._inputs import identity, opened_for_library, outside_source, resolved_input
-from ._text import option, shown
+from .report import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds
 OURS_KEY = "slim_mha.format_version"  # metadata every output of this tool carries

@@ -54,7 +54,7 @@ from ._inputs import open_input
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, already_folded, keep_module, migrated_tensors, plan_module
 from ._staging import Staging, pause_for_tests, remove_litter, sync_files
-from ._text import option, plural, shown
+from .report import option, plural, shown
 from ._verify import (
     check_module_error,
     check_written_file,

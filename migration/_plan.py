@@ -26,7 +26,7 @@ from slim_mha.bias import (
 
 from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
-from ._text import option, shown
+from .report import option, shown
 
 MODES = ("strip", "fold", "to-stock")
 _WIDE = torch.float64

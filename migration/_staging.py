@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._inputs import identity
-from ._text import shown
+from .report import shown
 
 try:
     import fcntl

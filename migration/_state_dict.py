@@ -17,7 +17,7 @@ from torch import Tensor
 from ._checkpoint import DTYPE_NAMES, Checkpoint, Shard, TensorRecord
 from ._modules import find_attention_modules
 from ._plan import migrated_tensors, plan_module
-from ._text import with_article
+from .report import with_article
 from ._zero_attn import check_patterns, zero_attn_modules
 
 __all__ = ["migrate_state_dict"]

@@ -29,7 +29,7 @@ from slim_mha._matrix import TOLERANCE
 from slim_mha._torch_compat import STOCK_MHA
 from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias
 
-from ._text import option, shown
+from .report import option, shown
 from ._writer import OutputTensor
 
 # The largest relative output error accepted is the project's slim-vs-stock TOLERANCE of the least

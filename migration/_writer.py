@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ._checkpoint import ITEM_SIZES, TensorRecord
 from ._inputs import OpenedFile, opened_for_library
-from ._text import shown
+from .report import shown
 
 _CHUNK = 64 * 1024 * 1024  # bytes per kernel copy call: small enough for a smooth bar and a prompt Ctrl-C
 _BUFFER = 1024 * 1024  # bytes per user-space copy: fits the CPU caches, measured fastest (benchmarks/)

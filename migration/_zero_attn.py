@@ -14,7 +14,7 @@ from slim_mha.bias import FORMAT_VERSION
 
 from ._checkpoint import Checkpoint
 from ._modules import AttentionGroup
-from ._text import option, shown
+from .report import option, shown
 
 __all__ = ["check_patterns", "records_zero_attn", "zero_attn_modules"]
 

@@ -29,7 +29,7 @@ from . import (
     to_stock_checkpoint,
 )
 from ._staging import Journal, journal
-from ._text import cli_spelling, shown
+from .report import cli_spelling, shown
 from .report import NOTHING_TO_DO_STATUS, NothingToDo
 
 PROG = "slim-mha-migrate"
@@ -191,15 +191,16 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
     sub.add_argument("--quiet", action="store_true", help="print nothing on success and show no progress bar")
 
 
-def _add_keep(sub: argparse.ArgumentParser) -> None:
+def _add_modules(sub: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """A repeatable option that names modules: a name as inspect lists it, or a glob."""
     sub.add_argument(
-        "--keep",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="leave this module as it is (its key bias stays): a name as inspect lists it, or a glob; "
-        "repeatable; the report names each module kept",
+        flag, action="append", default=[], metavar="MODULE",
+        help=f"{what}: a name as inspect lists it, or a glob such as 'decoder.layers.*.self_attn'; repeatable",
     )
+
+
+def _add_keep(sub: argparse.ArgumentParser) -> None:
+    _add_modules(sub, "--keep", "leave this module as it is (its key bias stays; the report names each one kept)")
     sub.add_argument(
         "--keep-inexact",
         action="store_true",
@@ -209,14 +210,7 @@ def _add_keep(sub: argparse.ArgumentParser) -> None:
 
 
 def _add_zero_attn(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument(
-        "--zero-attn",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="mark a module built with add_zero_attn=True, which a checkpoint cannot record: a name as "
-        "inspect lists it, or a glob such as 'decoder.layers.*.self_attn'; repeatable",
-    )
+    _add_modules(sub, "--zero-attn", "mark a module built with add_zero_attn=True, which a checkpoint cannot record")
 
 
 def _version() -> str:

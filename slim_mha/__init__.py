@@ -23,6 +23,8 @@ _EXPORTS = {
     "assert_permutation_invariant": "equivariance",
     "permutation_equivariance_error": "equivariance",
     "format_permutation_error": "equivariance",
+    "recording_attention": "inspection",
+    "explain": "inspection",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

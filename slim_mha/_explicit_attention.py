@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._memory_guard import check_weights_fit, rows_per_block
+from ._torch_compat import records_graph
 
 __all__ = [
     "WeightsPlan",
@@ -88,11 +89,8 @@ def attention_with_weights(
     tensor of the caller's that this path may write into (only ever without a graph). ``symbolic``:
     :func:`~slim_mha._torch_compat.is_symbolic_call` for the call, asked once by the caller.
     """
-    records_graph = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, mask)
-    )
     plan = plan_weights_path(
-        q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph, symbolic=symbolic
+        q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph(q, k, v, mask), symbolic=symbolic
     )
     check_weights_fit(q, k.shape[2], plan, symbolic=symbolic)  # before any (B, H, L, S)
     if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad

@@ -1,4 +1,5 @@
-"""Stock ``nn.MultiheadAttention``'s input checks and mask rules, as plain Python.
+"""Stock ``nn.MultiheadAttention``'s call (:class:`AttentionCall`, its arguments recorded once and passed
+whole), its input checks and mask rules, as plain Python; and stock's fast-path rules.
 
 Stock calls the private ``torch.nn.functional._mha_shape_check``, ``_canonical_mask`` and
 ``_none_or_dtype``. Calling them from here would tie us to torch's private API, and on older
@@ -12,15 +13,33 @@ every torch version, and they raise stock's exceptions with stock's wording (ide
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._torch_compat import stock_layer_unfuses_for_hooks
+from ._torch_compat import records_graph, stock_layer_unfuses_for_hooks
 
 # Observed once, at import: read inside compiled code, where a first call would be traced.
 _HOOKS_UNFUSE = stock_layer_unfuses_for_hooks()
+
+
+class AttentionCall(NamedTuple):
+    """``forward``'s arguments in stock's order, so ``super().forward(*call)`` is stock's call.
+
+    A NamedTuple: immutable (a recomputation makes a new one with ``_replace``), and traced by
+    Dynamo on every supported torch.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    key_padding_mask: Tensor | None
+    need_weights: bool
+    attn_mask: Tensor | None
+    average_attn_weights: bool
+    is_causal: bool
 
 
 def is_batched_mha_input(
@@ -204,6 +223,13 @@ def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, 
     raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
 
 
+def stock_module_takes_fast_path(module) -> bool:
+    """The module's part of stock's fast-path test, the one copy of it: the switch on, eval, an even
+    number of heads. The call's part (layout, inputs, masks, tensors) is each caller's."""
+    state = module.__dict__
+    return torch.backends.mha.get_fastpath_enabled() and not state["training"] and not state["num_heads"] % 2
+
+
 def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor, attn_mask, key_padding_mask) -> bool:
     """Whether stock returns a batch-first call's output contiguous ``(B, L, E)``, not as a transposed view.
 
@@ -214,11 +240,9 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
     stock's conditions, in stock's order.
     """
     if (
-        not torch.backends.mha.get_fastpath_enabled()
+        not stock_module_takes_fast_path(module)
         or query.dim() != 3
         or not (query is key and key is value)
-        or module.training
-        or module.num_heads % 2
         or not module.batch_first
         or module.bias_k is not None
         or module.bias_v is not None
@@ -236,7 +260,7 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
     return not (
         torch.overrides.has_torch_function(tensors)
         or not all(t.is_cpu or t.is_cuda for t in tensors)
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or records_graph(*tensors)
     )
 
 
@@ -283,6 +307,6 @@ def why_stock_layer_is_not_fused(layer, src: Tensor, src_mask: Tensor | None, sr
     devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
     if not all(t.device.type in devices for t in tensors):
         return f"some Tensor argument's device is neither one of {list(devices)}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if records_graph(*tensors):
         return "grad is enabled and at least one of query or the input/output projection weights or biases requires_grad"
     return ""

@@ -21,6 +21,7 @@ __all__ = [
     "is_capturing_graph",
     "is_capturing_or_transforming",
     "is_symbolic_call",
+    "records_graph",
     "stock_head_split",
     "stock_kernel",
     "stock_layer_unfuses_for_hooks",
@@ -33,6 +34,13 @@ __all__ = [
 STOCK_MHA = torch.nn.modules.activation.MultiheadAttention
 # Likewise the encoder layer, whose fused inference kernel takes the attention's parameters directly.
 STOCK_ENCODER_LAYER = torch.nn.modules.transformer.TransformerEncoderLayer
+
+def records_graph(*tensors: Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors: grad mode is on and one of them requires grad
+    (``None`` entries skipped). The one copy of the rule: path choice, stock's fast-path tests and
+    slim's own path read it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
 
 def is_capturing_graph() -> bool:
     """``torch.compile``/``torch.export`` (Dynamo) or ``torch.jit.trace`` is recording this call.

@@ -6,21 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import unread_weights
-from ._call import AttentionCall
+from . import inspection, unread_weights
+from ._stock_checks import AttentionCall
 from ._explicit_attention import attention_with_weights, query_scale
-from ._heads import merge_heads, sequence_first, split_heads, stock_projected_heads
-from ._scripting import prepare_scriptable
 from ._stock_checks import (
     attention_mask,
     check_embed_dims,
     is_batched_mha_input,
     refuse_mask_of_another_dtype,
+    stock_module_takes_fast_path,
     stock_returns_batch_major,
 )
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
+    prepare_scriptable,
     refuse_rows_masked_from_every_key,
 )
 from ._torch_compat import (
@@ -28,6 +28,7 @@ from ._torch_compat import (
     fx_proxy_of,
     is_capturing_or_transforming,
     is_symbolic_call,
+    records_graph,
     stock_head_split,
     stock_kernel,
     takes_stock_heads,
@@ -74,7 +75,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     ``slim-mha-migrate strip`` writes (``q_proj_bias``/``v_proj_bias``, format version 1).
     """
 
-    _scripted_as = STOCK_MHA  # what torch.jit.script compiles (slim_mha._scripting)
+    _scripted_as = STOCK_MHA  # what torch.jit.script compiles (slim_mha._swap)
     # Class-level defaults so that modules pickled before these options existed still run.
     check_equivariance: bool | None = None
     check_equivariance_every: int = 1
@@ -124,7 +125,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     def __prepare_scriptable__(self) -> nn.MultiheadAttention:
         """``torch.jit.script`` compiles the stock module (or the user's subclass of it) holding these
-        same parameters; the eager model is left as it is (:mod:`slim_mha._scripting`)."""
+        same parameters; the eager model is left as it is (:mod:`slim_mha._swap`)."""
         return prepare_scriptable(self)
 
     # ------------------------------------------------------------------------------------ forward
@@ -142,11 +143,22 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
         call = AttentionCall(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
-        path, _ = choose_path(self, call)
-        if path != "slim":
+        path, why = choose_path(self, call)
+        if inspection.EXPLAINING:
+            inspection.note(self, "attention", path, why)
+        if path != "general":
             return getattr(self, _RUNS[path])(call)
         discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
-        return self._attend_with_options(call, discarded)
+        return self._general_with_options(call, discarded)
+
+    def _recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        """The call with every head's weights, on the path it takes with weights, handed to the open
+        ``recording_attention`` blocks; returns what the caller asked for."""
+        return inspection.record_call(self, self._unrecorded, call)
+
+    def _unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+        path, _ = choose_path(self, call, recording=False)
+        return getattr(self, _RUNS[path])(call) if path != "general" else self._general_with_options(call, False)
 
     def _traced(self, call: AttentionCall):
         return fx_proxy_of(self, call.query, tuple(call))  # fx records the call, as stock's
@@ -191,18 +203,18 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             weights = weights.mean(dim=1)
         return (out.transpose(1, 0) if self.batch_first else out), weights
 
-    def _attend_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
+    def _general_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with slim's own options around it: weights skipped where the caller
         provably discards them, and the equivariance check."""
         drop_weights = False
         if weights_discarded:
             call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
-        result = self._attend(call)
+        result = self._general(call)
         if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
             _equivariance.check_call(self, result, call)
         return (result[0], None) if drop_weights else result
 
-    def _attend_without_weights(self, call: AttentionCall) -> tuple[Tensor, None]:
+    def _sdpa(self, call: AttentionCall) -> tuple[Tensor, None]:
         """The general path's ops for plain self-attention without weights, nothing else."""
         query = call.query
         projected = F.linear(query, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias))
@@ -210,15 +222,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         del projected
         # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E). The
         # rest of stock's fast-path test is this path's own entry condition.
-        batch_major = (
-            self.batch_first and not self.training and not self.num_heads % 2 and torch.backends.mha.get_fastpath_enabled()
-        )
+        batch_major = self.batch_first and stock_module_takes_fast_path(self)
         out = merge_heads(F.scaled_dot_product_attention(q, k, v), batch_major)
         del q, k, v  # free the projection before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
-    def _attend(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _general(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
         is_batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         batch_first = self.batch_first or not is_batched
@@ -293,10 +303,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias, weight = self.in_proj_bias, self.in_proj_weight
         # Weights in one pass, without a graph: q, k and v go to it head-major, each head's rows one
         # matrix, copied here in one op each as their projection dies, not later while it lives.
-        one_pass = weights_pass and not symbolic and not (
-            torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (query, key, value, *self._parameters.values()))
-        )
+        one_pass = weights_pass and not symbolic and not records_graph(query, key, value, *self._parameters.values())
 
         def project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
@@ -385,13 +392,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
-# The method that runs each path that choose_path names ("slim", slim's own, runs in forward).
+# The method that runs each path that choose_path names ("general", with slim's options, runs in forward).
 _RUNS = {
     "traced": "_traced",
     "nested": "_stock_forward",
+    "recorded": "_recorded",
     "stock kernel": "_stock_kernel",
     "stock ops": "_stock_ops",
-    "plain": "_attend_without_weights",
+    "sdpa": "_sdpa",
 }
 
 
@@ -409,3 +417,89 @@ def slim_options(
         "skip_unread_weights": unread_weights.resolve_option(skip_unread_weights),
     }
 
+
+# ------------------------------------------------------------------------------------------ heads
+# Heads as views: a projection split into per-head (B, H, L, D) tensors and merged back, in the
+# caller's layout (batch-first or sequence-first), so no transpose of the inputs is ever made. The
+# path that runs stock's ops takes stock's layouts instead: sequence_first and stock_projected_heads.
+
+
+
+def split_heads(
+    projected: Tensor, parts: int, num_heads: int, batch_first: bool, *, contiguous: bool = False
+) -> list[Tensor]:
+    """``(B, L, parts*E)`` or ``(L, B, parts*E)`` -> ``parts`` views of shape ``(B, H, L, D)``, no copy.
+
+    ``contiguous`` (only without a graph): views of one head-major copy, ``(parts, B, H, L, D)``,
+    made in one op, so that each head's rows are one matrix of a batched product. (Views whose
+    ``B`` and ``H`` fold without that copy, as sequence-first ones can, make the products 4-10%
+    slower on CPU: their rows are ``B·E`` elements apart.)
+
+    When a graph is recorded the last axis is split first, so that the backward is a single ``cat``
+    straight into the projection's layout (unbinding a 5-D view would backprop through a ``stack``
+    and a permuting copy). Without a graph, one view, one permute and one unbind are cheaper.
+    """
+    d0, d1, width = projected.shape
+    head_dim = width // (parts * num_heads)
+    # A trace takes the graph-recording form always: jit.trace's check re-traces without a graph,
+    # and the two traces must agree.
+    if not projected.requires_grad and not torch.jit.is_tracing():
+        heads = projected.view(d0, d1, parts, num_heads, head_dim)  # (d0, d1, parts, H, D)
+        heads = heads.permute((2, 0, 3, 1, 4) if batch_first else (2, 1, 3, 0, 4))  # (parts, B, H, L, D)
+        return list((heads.contiguous() if contiguous else heads).unbind(0))
+    order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
+    # One part is not split: a split into one piece still copies its gradient in the backward.
+    pieces = projected.split_with_sizes((num_heads * head_dim,) * parts, dim=-1) if parts > 1 else (projected,)
+    return [part.view(d0, d1, num_heads, head_dim).permute(order) for part in pieces]  # (B, H, L, D) each
+
+
+def merge_heads(out: Tensor, batch_first: bool) -> Tensor:
+    """``(B, H, L, D)`` -> ``(B, L, E)`` or ``(L, B, E)``; free when SDPA wrote ``(B, L, H, D)`` memory."""
+    B, H, L, D = out.shape
+    if batch_first:
+        return out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
+    return out.permute(2, 0, 1, 3).reshape(L, B, H * D)  # (L, B, E)
+
+
+def sequence_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch-first inputs as stock's Python path takes them, ``(len, B, E)`` views, made as stock makes
+    them: the call's ``query is key`` and ``key is value`` hold of the views as they held of the inputs."""
+    if key is not value:
+        return query.transpose(1, 0), key.transpose(1, 0), value.transpose(1, 0)
+    transposed = query.transpose(1, 0)
+    key = transposed if query is key else key.transpose(1, 0)
+    return transposed, key, key
+
+
+def stock_heads(projected: Tensor, parts: int, num_heads: int) -> tuple[Tensor, ...]:
+    """A sequence-first projection ``(len, B, parts*E)`` -> ``parts`` tensors ``(B·H, len, D)``, laid
+    out as stock's Python path lays them out, in fewer ops than its chain of views.
+
+    One part is a view of the projection. Several are views of one copy ``(parts, len, B, E)``, the
+    copy stock makes: the same values, strides and offsets, so the products that follow round as
+    stock's do. Under autograd the parts' backward is one ``stack``, where stock's selects each fill
+    a gradient of the whole copy.
+    """
+    length, batch, width = projected.shape
+    head_dim = width // (parts * num_heads)
+    if parts == 1:
+        return (projected.view(length, batch * num_heads, head_dim).transpose(0, 1),)
+    laid_out = projected.view(length, batch, parts, width // parts).permute(2, 0, 1, 3).contiguous()
+    return laid_out.view(parts, length, batch * num_heads, head_dim).transpose(1, 2).unbind(0)
+
+
+def stock_projected_heads(
+    query: Tensor, key: Tensor, value: Tensor, weight: Tensor, bias: Tensor, num_heads: int
+) -> tuple[Tensor, ...]:
+    """Stock's in-projection of sequence-first inputs with the packed ``(3E, E)`` weight, q, k and v
+    ``(B·H, len, D)`` in its layout: one matmul for self-attention, one for the queries and one for
+    keys and values when ``key is value``, else one each, as stock fuses them."""
+    width = query.shape[2]
+    if query is key and key is value:
+        return stock_heads(F.linear(query, weight, bias), 3, num_heads)
+    if key is value:
+        (w_q, w_kv), (b_q, b_kv) = weight.split([width, 2 * width]), bias.split([width, 2 * width])
+        (q,) = stock_heads(F.linear(query, w_q, b_q), 1, num_heads)
+        return (q, *stock_heads(F.linear(key, w_kv, b_kv), 2, num_heads))
+    parts = zip((query, key, value), weight.chunk(3), bias.chunk(3))
+    return tuple(stock_heads(F.linear(x, w, b), 1, num_heads)[0] for x, w, b in parts)

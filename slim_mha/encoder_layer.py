@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._scripting import prepare_scriptable
+from . import inspection
 from ._stock_checks import why_stock_layer_is_not_fused
+from ._swap import prepare_scriptable
 from ._torch_compat import STOCK_ENCODER_LAYER, is_symbolic_call
 from .attention import SlimMultiheadAttention
 
@@ -47,7 +48,7 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
     * ``"stock layer"``: stock's ``forward``, which does not fuse this call (its general path, with
       slim's attention where the layer holds one); the reason is stock's own;
     * ``"stock fused layer"``: stock's ``forward``, which hands the call to its fused kernel;
-    * ``"slim"``: what the fused kernel computes, with slim's attention in its place.
+    * ``"slim layer"``: what the fused kernel computes, with slim's attention in its place.
     """
     why = why_stock_layer_is_not_fused(layer, src, src_mask, src_key_padding_mask)
     if why:
@@ -58,6 +59,8 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
         return "stock fused layer", "a trace, transform or fake tensor"
     if torch.is_autocast_enabled(src.device.type):
         return "stock fused layer", "autocast, whose casts the fused kernel's output dtype follows"
+    if inspection.RECORDING and inspection.watched(layer.self_attn):
+        return "slim layer", "attention maps are being recorded: the fused kernel computes none"
     if src.is_nested:  # nn.TransformerEncoder's padded batch (stock's rule: no mask beside it)
         kind, length = "nested", max((sequence.shape[0] for sequence in src.unbind()), default=0)
     else:
@@ -65,7 +68,7 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
         length = src.shape[1]  # batch-first: stock fuses no other layout
     if length <= FUSED_LAYER_MAX_LENGTH[kind]:
         return "stock fused layer", f"{length} tokens ({kind}): the fused kernel is faster up to {FUSED_LAYER_MAX_LENGTH[kind]}"
-    return "slim", ""
+    return "slim layer", ""
 
 
 class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -75,7 +78,7 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
     make these from stock's layers, ``to_stock`` turns them back.
     """
 
-    _scripted_as = STOCK_ENCODER_LAYER  # what torch.jit.script compiles (slim_mha._scripting)
+    _scripted_as = STOCK_ENCODER_LAYER  # what torch.jit.script compiles (slim_mha._swap)
 
     def forward(
         self,
@@ -84,8 +87,10 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
-        path, _ = layer_path(self, src, src_mask, src_key_padding_mask)
-        if path != "slim":
+        path, why = layer_path(self, src, src_mask, src_key_padding_mask)
+        if inspection.EXPLAINING:
+            inspection.note(self, "encoder layer", path, why)
+        if path != "slim layer":
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         if src.is_nested:
             return _nested_through(self, src)
@@ -93,7 +98,7 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
 
     def __prepare_scriptable__(self) -> nn.TransformerEncoderLayer:
         """``torch.jit.script`` compiles stock's layer (or the user's subclass of it) holding these
-        same submodules and parameters; the eager model is left as it is (:mod:`slim_mha._scripting`)."""
+        same submodules and parameters; the eager model is left as it is (:mod:`slim_mha._swap`)."""
         return prepare_scriptable(self)
 
 
@@ -148,4 +153,6 @@ def _nested_through(layer: nn.TransformerEncoderLayer, src: Tensor) -> Tensor:
     padded = src.to_padded_tensor(0.0)  # (B, longest, E)
     padding = torch.arange(padded.shape[1], device=src.device) >= lengths[:, None]  # True: not a token
     out = _as_the_fused_kernel(layer, padded, None, padding)
+    if inspection.RECORDING:  # the maps' padded rows as the output's: zero
+        inspection.pad_rows(layer.self_attn, padding)
     return torch._nested_tensor_from_mask(out, padding.logical_not(), mask_check=False)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._call import AttentionCall
+from . import inspection
 from ._explicit_attention import blocks_forced
 from ._memory_guard import below_checked_size
+from ._stock_checks import AttentionCall, stock_module_takes_fast_path
 from ._swap import FOLDED_VALUE_BIAS
-from ._torch_compat import is_symbolic_call
+from ._torch_compat import is_symbolic_call, records_graph
 from .equivariance import _mode as _equivariance
 
 __all__ = ["ONE_PASS_FROM_SCORE_BYTES", "STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
@@ -44,13 +45,16 @@ STOCK_OPS_MAX_SCORE_BYTES = {
 ONE_PASS_FROM_SCORE_BYTES = 64 << 10
 
 
-def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str, str]:
+def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording: bool = True) -> tuple[str, str]:
     """The path ``call`` takes, and why it cannot take a shorter one (``""`` when it takes one).
 
     The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's:
 
     * ``"traced"``: ``torch.fx`` symbolic tracing records the call, as it records stock's;
     * ``"nested"``: nested tensors, which only stock's native kernel takes;
+    * ``"recorded"``: a :func:`slim_mha.recording_attention` block watches the module: the call
+      computes stock's weights on the path this function chooses for it with ``recording=False``,
+      hands them to the block, and returns what the caller asked for;
     * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
       masks or a graph where stock's fast path would run it: with weights always (it is the floor),
       without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
@@ -58,8 +62,10 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
       weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
       batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
-    * ``"plain"``: the same self-attention without weights, in slim's fewest ops;
-    * ``"slim"``: slim's own path, and its options (the equivariance check, skipped weights).
+    * ``"sdpa"``: the same self-attention without weights, in slim's fewest ops: one projection,
+      ``scaled_dot_product_attention``, the output projection;
+    * ``"general"``: slim's general path, every feature (masks, weights, appended tokens, other
+      layouts), and slim's options around it (the equivariance check, skipped weights).
 
     Cheap on purpose: at the sizes of set models a call takes a tenth of a millisecond, and every
     microsecond here is a percent of it. So the module's state is read from its dictionaries.
@@ -69,9 +75,11 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
         return "traced", ""
     if query.is_nested or key.is_nested or value.is_nested:
         return "nested", ""
+    if recording and inspection.RECORDING and inspection.watched(module):
+        return "recorded", "attention maps are being recorded (slim_mha.recording_attention)"
     why = _why_slims_own_path(module, query, need_weights)
     if why:
-        return "slim", why
+        return "general", why
     state = module.__dict__
     plain = (
         query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
@@ -82,8 +90,8 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
     if plain:
         path, why = _self_attention_path(module, query, device, need_weights)
     else:
-        path, why = "slim", "masks or cross-attention"
-    if path != "slim":
+        path, why = "general", "masks or cross-attention"
+    if path != "general":
         return path, why
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
     if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
@@ -95,13 +103,13 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall) -> tuple[str
             )
             if not one_pass or _records_graph(module, query, key, value):
                 return "stock ops", ""
-    return "slim", why
+    return "general", why
 
 
 def _self_attention_path(
     module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool
 ) -> tuple[str, str]:
-    """For plain self-attention: ``"stock kernel"`` or ``"plain"`` where one runs it, else ``"slim"``
+    """For plain self-attention: ``"stock kernel"`` or ``"sdpa"`` where one runs it, else ``"general"``
     and why neither does, as :func:`choose_path` names them."""
     state = module.__dict__
     # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
@@ -109,33 +117,27 @@ def _self_attention_path(
     # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
     autocast = torch.is_autocast_enabled(device)
     if autocast and device == "cuda":
-        return "slim", "autocast on CUDA, where stock runs its Python path"
+        return "general", "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
     if _records_graph(module, query):
-        return "slim", "a graph is recorded"
+        return "general", "a graph is recorded"
     if training and state["dropout"] > 0.0:
-        return "slim", "attention dropout"
-    kernel = not training and not state["num_heads"] % 2 and torch.backends.mha.get_fastpath_enabled()
+        return "general", "attention dropout"
+    kernel = stock_module_takes_fast_path(module)
     batch, length = query.shape[:2] if state["batch_first"] else (query.shape[1], query.shape[0])
     if need_weights:
         if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
             return "stock kernel", ""
-        return "slim", "weights stock's fast path would not compute, or too large to check"
+        return "general", "weights stock's fast path would not compute, or too large to check"
     largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype), -1)
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
         return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
-    return "plain", ""
+    return "sdpa", ""
 
 
 def _records_graph(module: nn.MultiheadAttention, *inputs: Tensor) -> bool:
-    """Whether autograd records this call: grad mode on, and an input or a parameter requires grad."""
-    return torch.is_grad_enabled() and (
-        any(x.requires_grad for x in inputs)
-        or any(
-            p is not None and p.requires_grad
-            for p in (*module._parameters.values(), *module._modules["out_proj"]._parameters.values())
-        )
-    )
+    """:func:`~slim_mha._torch_compat.records_graph` of a call's inputs and the module's parameters."""
+    return records_graph(*inputs, *module._parameters.values(), *module._modules["out_proj"]._parameters.values())
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:

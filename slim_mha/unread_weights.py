@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from ._call import AttentionCall
+from ._stock_checks import AttentionCall
 from ._torch_compat import STOCK_MHA, is_symbolic_call
 
 __all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread_weights_report", "weights_discarded"]

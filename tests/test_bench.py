@@ -72,7 +72,11 @@ def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
         assert allocator["warm"] == {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
         assert allocator["cold"]["M_MMAP_THRESHOLD"] == 65536 and allocator["cold"]["malloc_trim_before_each_call"]
         assert all(result["allocator_controlled"] for result in payload["cases"])
-    assert "stock/slim" in out and "slim/floor" in out and "Targets:" not in out  # targets: --targets only
+    assert "stock/slim" in out and "slim/floor" in out
+    markdown = (tmp_path / "bench.md").read_text()
+    verdicts = out[out.index("Targets:"):].split("\n\n")[0].splitlines()[:9]  # the console's verdicts...
+    assert verdicts[0] == "Targets:" and any(line.startswith(("  MET", "  MISS")) for line in verdicts)
+    assert "\n".join(verdicts) in markdown  # ...are the file's, word for word (one formatter)
     assert re.search(r"expected time: \d+ s to \d+ (s|minutes) for 8 case\(s\) \(quiet to beside busy", out)
     assert "train  " in out and "cross" in out
     markdown = (tmp_path / "bench.md").read_text()  # the full table goes next to the JSON

@@ -27,6 +27,10 @@ def test_nn_transformer_with_two_inputs_agrees_and_is_timed(tmp_path, capsys):
     assert saved["stock"] > 0 and saved["slim"] > 0
     out = capsys.readouterr().out
     assert "3 attention module(s) made slim" in out and "saved for backward in a training step: stock" in out
+    census = {row["path"]: row for row in result["paths"]["eval"]}  # what explain says of each call
+    assert sum(row["calls"] for row in result["paths"]["eval"] if row["kind"] == "attention") == 3
+    assert "paths in eval: encoder layer stock layer x1 (self_attn.batch_first was not True)" in out
+    assert census and {row["why"] for row in result["paths"]["train"]} >= {"training is enabled"}
 
 
 def test_a_model_of_our_own_with_an_input_function_and_dict_outputs(tmp_path, capsys):

@@ -223,8 +223,12 @@ def test_fold_value_bias_keeps_the_eval_function(config):
     assert str(refused.value) == (
         "to_stock: module (the root) had its value bias folded into out_proj.bias (fold_value_bias), which stock "
         "cannot represent exactly: on a query row masked from every key stock outputs out_proj.bias, the fold "
-        "adds W_o·b_v. Convert the model before folding it"
+        "adds W_o·b_v. Load the unfolded weights again first (load_state_dict clears the fold), or keep an unfolded "
+        "copy for this and fold only the model you run (fold_value_bias(copy.deepcopy(model).eval()))"
     )
+    # What the message says works: the unfolded weights, loaded again, convert back to stock.
+    slim.load_state_dict(convert(copy.deepcopy(stock)).state_dict())
+    torch.testing.assert_close(to_stock(slim)(*inputs)[0], stock(*inputs)[0])
 
 
 def test_a_folded_module_refuses_a_query_row_masked_from_every_key():

@@ -150,3 +150,15 @@ def test_a_marker_without_a_reason_is_refused(tmp_path, monkeypatch):
     assert block.not_run_reason == ""
     with pytest.raises(AssertionError, match="gives no reason"):
         test_every_skipped_block_gives_a_reason("example.md")
+
+
+def test_the_front_page_says_who_it_is_for_and_stays_short():
+    """A newcomer decides from the top of the page: who it is for, then the two set-up commands."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; details belong in docs/"
+    box = next(i for i, line in enumerate(lines) if "Is it for you?" in line)
+    commands = [i for i, line in enumerate(lines) if line.startswith("python3 -m venv .venv && ")]
+    assert box < 20 and len(commands) == 2 and max(commands) < 80
+    box_text = " ".join(lines[box : box + 12])
+    assert "CUDA has never been measured" in box_text and "wins" in box_text and "matches stock" in box_text
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8").count("\n") <= 250

@@ -232,9 +232,9 @@ def test_the_sweep_reaches_both_sides_of_the_rule(fused_calls):
             x, masks = call_inputs(mask, length)
             taken[mask, length] = encoder_layer.layer_path(slim, x, None, masks.get("src_key_padding_mask"))[0]
     assert taken == {
-        ("none", SHORT): "stock fused layer", ("none", LONG): "slim",
-        ("padding", SHORT): "stock fused layer", ("padding", LONG): "slim",
-        ("nested", SHORT): "stock fused layer", ("nested", LONG): "slim",
+        ("none", SHORT): "stock fused layer", ("none", LONG): "slim layer",
+        ("padding", SHORT): "stock fused layer", ("padding", LONG): "slim layer",
+        ("nested", SHORT): "stock fused layer", ("nested", LONG): "slim layer",
     }
 
 
@@ -449,7 +449,7 @@ def test_a_subclass_that_cannot_be_rebuilt_on_stock_names_its_class():
         class Picky(nn.MultiheadAttention, Once):
             pass
 
-    from slim_mha._scripting import stock_counterpart
+    from slim_mha._swap import stock_counterpart
 
     with warnings.catch_warnings(), pytest.raises(TypeError, match="Picky"):
         warnings.simplefilter("ignore")

@@ -224,7 +224,7 @@ def test_a_tensor_passed_twice_stays_one_tensor():
         ),
         (
             lambda: permutation_equivariance_error(lambda x: x.sum(1), tokens(B, N, D)),
-            r"output has shape \(2, 5\): dim 1 has 5 entries but the inputs have 6 tokens; pass output_dim",
+            r"output has shape \(2, 5\): dim 1 has 5 entries but the inputs have 6 tokens\. .*pass output_dim",
         ),
         (
             lambda: permutation_equivariance_error(lambda x: (x, x), tokens(B, N, D), output_dim=(1,)),
@@ -557,8 +557,8 @@ def test_diverging_control_flow_is_reported():
 
 def test_errors_of_the_assertion_mode_inside_a_checked_model_carry_its_names():
     class Leak(SlimMultiheadAttention):
-        def _attend(self, call):
-            output, weights = super()._attend(call)
+        def _general(self, call):
+            output, weights = super()._general(call)
             return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 
     model = nn.Module()
@@ -566,3 +566,27 @@ def test_errors_of_the_assertion_mode_inside_a_checked_model_carry_its_names():
     model.inner.attention = Leak(D, 1, batch_first=True, check_equivariance=True).double()
     with pytest.raises(EquivarianceError, match="Leak 'inner.attention' is not permutation-equivariant on this call"):
         assert_permutation_equivariant(lambda x: model.inner.attention(x, x, x)[0], tokens(B, N, D), module=model)
+
+
+def test_a_classifier_checked_for_equivariance_is_pointed_to_the_invariant_check():
+    """Its logits have no token axis: the message names the check that fits, in both entry points."""
+    import slim_mha
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    model = slim_mha.convert(Classifier())
+    x = torch.randn(2, 10, 16)
+    pointed = r"assert_permutation_invariant, or checking_equivariance\(\.\.\., invariant=True\)"
+    with pytest.raises(ValueError, match=pointed):
+        assert_permutation_equivariant(model, x, dim=1)
+    with pytest.raises(ValueError, match=pointed):
+        with slim_mha.checking_equivariance(model, dim=1), torch.no_grad():
+            model(x)
+    assert_permutation_invariant(model, x, dim=1)  # the check it points to passes

@@ -14,7 +14,7 @@ from _reference import (
 from torch.profiler import ProfilerActivity, profile
 
 from slim_mha import SlimMultiheadAttention
-from slim_mha._call import AttentionCall
+from slim_mha._stock_checks import AttentionCall
 from slim_mha.paths import choose_path
 
 E, H = 16, 4
@@ -44,11 +44,11 @@ TABLE = [
     ("stock's default call, sequence-first", {"batch_first": False}, call(SMALL.transpose(0, 1)), False, False,
      "stock kernel"),
     ("small, without weights (fp32)", {}, call(SMALL, need_weights=False), False, False, "stock kernel"),
-    ("large, without weights", {}, call(LARGE, need_weights=False), False, False, "plain"),
-    ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "plain"),
+    ("large, without weights", {}, call(LARGE, need_weights=False), False, False, "sdpa"),
+    ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "sdpa"),
     ("small cross-attention with weights, batch-first, no graph", {}, call(SMALL, OTHER), False, False, "stock ops"),
     ("cross-attention with weights, batch-first, no graph, 64 KiB of scores (slim's one pass)", {},
-     call(torch.randn(4, 32, E), torch.randn(4, 32, E)), False, False, "slim"),
+     call(torch.randn(4, 32, E), torch.randn(4, 32, E)), False, False, "general"),
     ("the same, 32 KiB", {}, call(torch.randn(2, 32, E), torch.randn(2, 32, E)), False, False, "stock ops"),
     ("the same, 64 KiB, training with a graph", {}, call(torch.randn(4, 32, E), torch.randn(4, 32, E)), True, False,
      "stock ops"),
@@ -64,33 +64,33 @@ TABLE = [
      call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)), False, False, "stock ops"),
     ("small, with weights, under autocast on the CPU, training", {}, call(SMALL, OTHER), True, True, "stock ops"),
     ("small, with weights, in fp16 (not measured)", {"dtype": torch.float16}, call(SMALL.half(), OTHER.half()), False,
-     False, "slim"),
+     False, "general"),
     ("small, with weights, a padding mask", {}, call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
-     False, False, "slim"),
+     False, False, "general"),
     ("small, with weights, a causal mask", {}, call(SMALL, attn_mask=torch.ones(6, 6).triu(1).bool(), is_causal=True),
-     True, False, "slim"),
+     True, False, "general"),
     ("small, with weights, kdim and vdim", {"kdim": 8, "vdim": 8}, call(SMALL, torch.randn(2, 9, 8)), False, False,
-     "slim"),
+     "general"),
     ("small, with weights, keys of another batch (stock's error)", {}, call(SMALL, torch.randn(3, 9, E)), False, False,
-     "slim"),
+     "general"),
     ("small, with weights, keys and values of other lengths (stock's error)", {},
-     call(SMALL, OTHER, torch.randn(2, 8, E)), False, False, "slim"),
+     call(SMALL, OTHER, torch.randn(2, 8, E)), False, False, "general"),
     ("cross-attention with weights, 256 KiB of fp32 scores: the largest stock's ops take", {"batch_first": False},
      call(torch.randn(64, 4, E), torch.randn(64, 4, E)), False, False, "stock ops"),
     ("cross-attention with weights, one key more", {"batch_first": False},
-     call(torch.randn(64, 4, E), torch.randn(65, 4, E)), False, False, "slim"),
+     call(torch.randn(64, 4, E), torch.randn(65, 4, E)), False, False, "general"),
     ("medium cross-attention with weights, sequence-first", {"batch_first": False},
-     call(torch.randn(64, 8, E), torch.randn(64, 8, E)), False, False, "slim"),
-    ("under autocast, cross-attention", {}, call(SMALL, OTHER, need_weights=False), False, True, "slim"),
+     call(torch.randn(64, 8, E), torch.randn(64, 8, E)), False, False, "general"),
+    ("under autocast, cross-attention", {}, call(SMALL, OTHER, need_weights=False), False, True, "general"),
     ("under autocast on the CPU, stock's default call (stock: its fp32 kernel)", {}, call(LARGE, need_weights=False), False, True,
      "stock kernel"),
-    ("large cross-attention with weights", {}, call(LARGE, torch.randn(8, 200, E)), False, False, "slim"),
+    ("large cross-attention with weights", {}, call(LARGE, torch.randn(8, 200, E)), False, False, "general"),
     ("self-attention with a padding mask, eval (stock: its kernel)", {}, call(SMALL, key_padding_mask=PADDING),
-     False, False, "slim"),
-    ("large, without weights, with a graph", {}, call(LARGE, need_weights=False), True, False, "slim"),
-    ("appended tokens", {"add_bias_kv": True}, call(SMALL), False, False, "slim"),
-    ("the equivariance check", {"check_equivariance": True}, call(SMALL), False, False, "slim"),
-    ("an unbatched input", {}, call(SMALL[0]), False, False, "slim"),
+     False, False, "general"),
+    ("large, without weights, with a graph", {}, call(LARGE, need_weights=False), True, False, "general"),
+    ("appended tokens", {"add_bias_kv": True}, call(SMALL), False, False, "general"),
+    ("the equivariance check", {"check_equivariance": True}, call(SMALL), False, False, "general"),
+    ("an unbatched input", {}, call(SMALL[0]), False, False, "general"),
     ("nested tensors", {}, call(torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)])), False, False,
      "nested"),
 ]
@@ -105,7 +105,7 @@ def test_the_path_each_call_takes(what, options, the_call, grad, autocast, path)
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         chosen, why = choose_path(attention, the_call)
     assert chosen == path, why
-    assert (why == "") == (path != "slim"), why  # slim's own path names why no shorter one applies
+    assert (why == "") == (path != "general"), why  # slim's own path names why no shorter one applies
 
 
 @pytest.mark.parametrize("case", ["cross", "training", "masked, sequence-first"])
@@ -123,7 +123,7 @@ def test_under_autocast_slims_own_path_is_as_exact_as_stock(case, slims_own_path
     masks = {"key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)} if case.startswith("masked") else {}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     with autocast, torch.set_grad_enabled(train):
-        assert choose_path(slim, call(query, key, **masks))[0] == "slim"
+        assert choose_path(slim, call(query, key, **masks))[0] == "general"
         expected, actual = stock(query, key, key, **masks), slim(query, key, key, **masks)
     with torch.no_grad():
         reference = float64_reference(stock, query, key, key, **masks)

@@ -22,7 +22,7 @@ from _reference import (
 )
 
 from slim_mha import SlimMultiheadAttention
-from slim_mha._call import AttentionCall
+from slim_mha._stock_checks import AttentionCall
 from slim_mha.paths import choose_path
 
 

@@ -207,8 +207,9 @@ def output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[
             if leaf.shape[axis] != length:
                 raise ValueError(
                     f"{name} has shape {format_shape(tuple(leaf.shape))}: dim {axis} has {leaf.shape[axis]} entries but "
-                    f"the inputs have {length} tokens; pass output_dim with the axes that carry the tokens, "
-                    "or None for an output that should not change"
+                    f"the inputs have {length} tokens. An output without a token axis (a classifier's logits, a pooled "
+                    "vector) should not change under the permutation: check it with assert_permutation_invariant, or "
+                    "checking_equivariance(..., invariant=True); else pass output_dim with the axes that carry the tokens"
                 )
         result.append(axes)
     return result

@@ -48,7 +48,7 @@ from weakref import WeakKeyDictionary, WeakSet
 import torch
 from torch import Tensor, nn
 
-from .._call import AttentionCall
+from .._stock_checks import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
 from ._context import is_rerunning, naming, qualified_name, type_name
 from ._inputs import SAME_AS_DIM
@@ -384,7 +384,7 @@ class _AttentionCheck:
                 key_padding_mask = permute(key_padding_mask, (-1,), self.key_permutation)  # (B, S) or (S,)
             if attn_mask is not None:
                 attn_mask = permute(attn_mask, (-1,), self.key_permutation)
-        return self.module._attend(
+        return self.module._general(
             AttentionCall(query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False)
         )
 

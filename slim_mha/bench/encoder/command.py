@@ -116,7 +116,7 @@ def _takes_stock(encoder: nn.Module, x: torch.Tensor, padding) -> bool:
     with torch.inference_mode():
         if padding is not None and encoder.use_nested_tensor:  # what stock's encoder gives its layers
             x, padding = torch._nested_tensor_from_mask(x, padding.logical_not(), mask_check=False), None
-        return layer_path(encoder.layers[0], x, None, padding)[0] != "slim"
+        return layer_path(encoder.layers[0], x, None, padding)[0] != "slim layer"
 
 
 def format_encoder(results: list[dict]) -> str:

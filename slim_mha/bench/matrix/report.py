@@ -148,7 +148,7 @@ _STALLED_NOTE = (
 
 
 def format_summary(results: list[dict]) -> str:
-    """Three lines: how slim's speed, memory and outputs compare with stock's over the run."""
+    """How slim's speed and outputs compare with stock's over the run (memory: the targets' verdict)."""
     if not results:
         return "no case was run"
     stalled = [result for result in results if is_stalled(result)]
@@ -174,14 +174,7 @@ def format_summary(results: list[dict]) -> str:
             )
         if len(plain) < len(results):
             lines.append("train+eq cases time slim's equivariance check too: their cost is left out here")
-        peaks = [
-            result["memory"]["slim"]["peak_bytes"] / max(result["memory"]["stock"]["peak_bytes"], 1) for result in plain
-        ]
-        excess = max(result["memory"]["slim"]["peak_bytes"] - result["memory"]["stock"]["peak_bytes"] for result in plain)
-        lines.append(
-            f"memory: slim's peak at or below stock's in {sum(peak <= 1.0 for peak in peaks)}/{len(plain)} cases "
-            f"(largest slim/stock {max(peaks):.2f}{excess_text(excess)})"
-        )
+        # Memory has one verdict, the memory target's (format_targets), on the console and in the file.
     worst = max(results, key=lambda result: result["relative_error"]["slim"])
     agreeing = sum(result["agrees"] for result in results)
     lines.append(

@@ -177,6 +177,20 @@ def _agreement(stock: nn.Module, slim: nn.Module, args: tuple) -> dict:
     return {"agrees": agrees, "errors": worst}
 
 
+def _census(slim: nn.Module, args: tuple) -> dict[str, list[dict]]:
+    """Which path each slim call takes in one forward, eval and training (``slim_mha.explain``)."""
+    from slim_mha import explain
+
+    census = {}
+    for mode in ("eval", "train"):
+        model = slim.train(mode == "train")
+        with torch.no_grad() if mode == "eval" else contextlib.nullcontext():
+            counts = explain(model, *args).census()
+        census[mode] = [{"kind": k, "path": p, "why": w, "calls": n} for (k, p, w), n in counts.items()]
+    slim.eval()
+    return census
+
+
 def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, device: torch.device) -> dict:
     results = {}
     for mode in ("inference", "train"):
@@ -264,6 +278,7 @@ def benchmark_model(
             "give the shapes (or --input-fn) its forward takes"
         ) from None
     agreement = _agreement(stock, slim, args)
+    paths = _census(slim, args)
     timing = _timed(stock, slim, args, settings, device)
     return {
         "model": target,
@@ -274,6 +289,7 @@ def benchmark_model(
         "attention_modules": swapped,
         "agrees": agreement["agrees"],
         "errors": agreement["errors"],
+        "paths": paths,
         **timing,
     }
 
@@ -293,6 +309,10 @@ def format_model(result: dict) -> str:
             f"{mode:<10} {r['stock_ms']:>9.2f} {r['slim_ms']:>9.2f} {ratio:>10} "
             f"{_size(peaks['stock']):>11} {_size(peaks['slim']):>10}"
         )
+    for mode, rows in result.get("paths", {}).items():
+        lines.append(f"paths in {mode}: " + "; ".join(
+            f"{row['kind']} {row['path']} x{row['calls']}" + (f" ({row['why']})" if row["why"] else "") for row in rows
+        ))
     saved = result["train"].get("saved_bytes")
     if saved:
         lines.append(f"saved for backward in a training step: stock {_size(saved['stock'])}, slim {_size(saved['slim'])}")
