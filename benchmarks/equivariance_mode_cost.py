@@ -70,13 +70,17 @@ def main() -> None:
         for name in order:
             times[name].append(block(name))
     plain = statistics.median(times["plain"])
-    print(f"torch {torch.__version__}, {options.threads} threads, {options.repeats} repeats of 10 steps, "
-          f"B={options.batch} L={options.length} E={options.width}, 1-min load {os.getloadavg()[0]:.1f}")
+    print(
+        f"torch {torch.__version__}, {options.threads} threads, {options.repeats} repeats of 10 steps, "
+        f"B={options.batch} L={options.length} E={options.width}, 1-min load {os.getloadavg()[0]:.1f}"
+    )
     for name, values in times.items():
         # paired: the ratio within each repeat (the settings ran back to back there), then the median
         paired = statistics.median(value / base for value, base in zip(values, times["plain"]))
-        print(f"{name:28s} {statistics.median(values) * 1e3:8.2f} ms/step  "
-              f"{statistics.median(values) / plain:5.2f}x plain, paired {paired:5.2f}x")
+        print(
+            f"{name:28s} {statistics.median(values) * 1e3:8.2f} ms/step  "
+            f"{statistics.median(values) / plain:5.2f}x plain, paired {paired:5.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -151,7 +151,9 @@ def run_many_tensors(work: Path, repeats: int) -> None:
     for _ in range(repeats):
         for name in cases:
             output = work / "many-out.safetensors"
-            times[name].append(timed(lambda: fold_checkpoint(files[name], output, progress=False)))
+            times[name].append(
+                timed(lambda name=name, output=output: fold_checkpoint(files[name], output, progress=False))
+            )
             output.unlink()
     print(f"\nmany tensors: fold (API) in process, median of {repeats} interleaved rounds")
     print(f"{'file':<31} {'tensors':>8} {'MiB':>6} {'median s':>9} {'us/tensor':>10}   per round")
@@ -166,9 +168,18 @@ def run_many_tensors(work: Path, repeats: int) -> None:
         "start-up": lambda: subprocess.run([sys.executable, "-c", _IMPORTS], check=True, env=env),
         **{
             f"CLI fold, {name}": lambda name=name: subprocess.run(
-                [sys.executable, "-m", "slim_mha.migration", "fold", str(files[name]),
-                 str(work / "many-cli.safetensors"), "--quiet", "--force"],
-                check=True, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "slim_mha.migration",
+                    "fold",
+                    str(files[name]),
+                    str(work / "many-cli.safetensors"),
+                    "--quiet",
+                    "--force",
+                ],
+                check=True,
+                env=env,
             )
             for name in ("2,000 modules", "50,000 tensors, 2,000 modules")
         },
@@ -187,12 +198,15 @@ def companions_folder(path: Path, count: int) -> None:
     """A model folder: one small stock checkpoint and ``count`` companion files of 100 bytes."""
     path.mkdir()
     generator = torch.Generator().manual_seed(0)
-    save_file({
-        "attn.in_proj_weight": torch.randn(24, 8, generator=generator),
-        "attn.in_proj_bias": torch.randn(24, generator=generator),
-        "attn.out_proj.weight": torch.randn(8, 8, generator=generator),
-        "attn.out_proj.bias": torch.randn(8, generator=generator),
-    }, path / "model.safetensors")
+    save_file(
+        {
+            "attn.in_proj_weight": torch.randn(24, 8, generator=generator),
+            "attn.in_proj_bias": torch.randn(24, generator=generator),
+            "attn.out_proj.weight": torch.randn(8, 8, generator=generator),
+            "attn.out_proj.bias": torch.randn(8, generator=generator),
+        },
+        path / "model.safetensors",
+    )
     for number in range(count):
         (path / f"file{number:05d}.txt").write_bytes(bytes([number % 256]) * 100)
 
@@ -206,9 +220,12 @@ def run_companions(work: Path, repeats: int) -> None:
     for count in counts:
         source = work / f"companions{count}"
         runs[f"cp -r + sync, {count:,} files"] = lambda source=source: (
-            subprocess.run(["cp", "-r", str(source), str(work / "out")], check=True), os.sync())
-        runs[f"fold (API), {count:,} files"] = lambda source=source: fold_checkpoint(source, work / "out",
-                                                                                     progress=False)
+            subprocess.run(["cp", "-r", str(source), str(work / "out")], check=True),
+            os.sync(),
+        )
+        runs[f"fold (API), {count:,} files"] = lambda source=source: fold_checkpoint(
+            source, work / "out", progress=False
+        )
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, action in runs.items():
@@ -243,7 +260,10 @@ def timed(action) -> float:
 def child_extra_memory(*argv: str) -> int:
     """Peak RSS of a CLI run above the RSS it had after its imports, in bytes."""
     result = subprocess.run(
-        [sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, check=False,
+        [sys.executable, "-c", _CHILD, *argv],
+        capture_output=True,
+        text=True,
+        check=False,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     if result.returncode != 0:
@@ -258,9 +278,12 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
-    parser.add_argument("--only", choices=["copy", "many-tensors", "companions"], default=None,
-                        help="run one part: the 1 GiB comparison with cp, the many-tensors scaling, or the "
-                        "companion files")
+    parser.add_argument(
+        "--only",
+        choices=["copy", "many-tensors", "companions"],
+        default=None,
+        help="run one part: the 1 GiB comparison with cp, the many-tensors scaling, or the companion files",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="slim-mha-migration-bench-", dir=args.dir))
@@ -280,8 +303,10 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
     source = work / "stock"
     sizes = build_checkpoint(source, int(args.size_gib * 2**30), args.shards)
     total = sum(sizes)
-    print(f"checkpoint: {total / 2**30:.3f} GiB in {len(sizes)} shards (largest {max(sizes) / 2**20:.1f} MiB), "
-          f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(
+        f"checkpoint: {total / 2**30:.3f} GiB in {len(sizes)} shards (largest {max(sizes) / 2**20:.1f} MiB), "
+        f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
     runs = {
         "cp -r": lambda: subprocess.run(["cp", "-r", str(source), str(work / "copy")], check=True),
         # The same durability as fold, which fsyncs each file, the folder and the folder holding it
@@ -290,7 +315,8 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
         "fold (API)": lambda: fold_checkpoint(source, work / "api", progress=False),
         "fold (CLI)": lambda: subprocess.run(
             [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(work / "cli"), "--quiet"],
-            check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
         ),
         # The CLI's fixed cost: start Python and import torch, safetensors and migration.
         "start-up": lambda: subprocess.run(
@@ -308,11 +334,15 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
     print(f"\n{'command':<14} {'median s':>9} {'min s':>7} {'GiB/s':>6} {'x cp':>6} {'x cp+fsync':>10}   per round")
     for name, values in times.items():
         median = statistics.median(values)
-        ratios = [statistics.median(value / copy for value, copy in zip(values, times[baseline]))
-                  for baseline in ("cp -r", "cp -r + fsync")]
+        ratios = [
+            statistics.median(value / copy for value, copy in zip(values, times[baseline]))
+            for baseline in ("cp -r", "cp -r + fsync")
+        ]
         rounds = " ".join(f"{value:.2f}" for value in values)
-        print(f"{name:<14} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratios[0]:6.2f} "
-              f"{ratios[1]:10.2f}   {rounds}")
+        print(
+            f"{name:<14} {median:9.3f} {min(values):7.3f} {total / 2**30 / median:6.2f} {ratios[0]:6.2f} "
+            f"{ratios[1]:10.2f}   {rounds}"
+        )
 
     print(f"\npeak RSS during the run, above the RSS after imports; largest shard {max(sizes) / 2**20:.1f} MiB")
     # A torch pickle is one shard by definition: the largest shard, re-saved as a .pt.
@@ -321,14 +351,20 @@ def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:
     for label, argv in (
         ("fold", ["fold", str(source), str(work / "m1"), "--quiet"]),
         ("fold --verify", ["fold", str(source), str(work / "m2"), "--quiet", "--verify"]),
-        ("fold --fold-value-bias --verify", ["fold", str(source), str(work / "m3"), "--quiet", "--verify",
-                                             "--fold-value-bias"]),
+        (
+            "fold --fold-value-bias --verify",
+            ["fold", str(source), str(work / "m3"), "--quiet", "--verify", "--fold-value-bias"],
+        ),
         ("strip --verify", ["strip", str(source), str(work / "m5"), "--quiet", "--verify"]),
-        ("to-stock --verify (of strip's output)", ["to-stock", str(work / "m5"), str(work / "m4"), "--quiet",
-                                                   "--verify"]),
+        (
+            "to-stock --verify (of strip's output)",
+            ["to-stock", str(work / "m5"), str(work / "m4"), "--quiet", "--verify"],
+        ),
         ("inspect", ["inspect", str(source)]),
-        (".pt (= largest shard) fold --verify", ["fold", str(work / "largest.pt"), str(work / "pt.safetensors"),
-                                                 "--quiet", "--verify"]),
+        (
+            ".pt (= largest shard) fold --verify",
+            ["fold", str(work / "largest.pt"), str(work / "pt.safetensors"), "--quiet", "--verify"],
+        ),
     ):
         extra = child_extra_memory(*argv)
         print(f"{label:<36} extra {extra / 2**20:7.1f} MiB = {extra / max(sizes):.3f} x largest shard")

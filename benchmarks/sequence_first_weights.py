@@ -72,13 +72,15 @@ def main() -> None:
             timings = measure(contenders, torch.device("cpu"), Settings(repeats=args.repeats))
             stock = timings["stock"].samples_ms
 
-            def paired(name: str) -> float:
+            def paired(name: str, stock=stock, timings=timings) -> float:
                 return statistics.median(a / b for a, b in zip(stock, timings[name].samples_ms))
 
             ms = "  ".join(f"{name} {summary.median_ms:.2f}" for name, summary in timings.items())
             ratios = ", ".join(f"stock/{name} {paired(name):.3f}x" for name in timings if name != "stock")
-            print(f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}: ms {ms}; paired {ratios}; "
-                  f"relative error {error:.1e}")
+            print(
+                f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]}: ms {ms}; paired {ratios}; "
+                f"relative error {error:.1e}"
+            )
 
 
 if __name__ == "__main__":

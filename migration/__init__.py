@@ -148,10 +148,20 @@ def strip_checkpoint(
     """
     from ._migrate import MigrationOptions, migrate
 
-    return migrate("strip", source, destination, MigrationOptions(
-        tuple(zero_attn), fold_value_bias, verify, dry_run, force, companions, progress, follow_outside_links,
-        allow_expand, tuple(keep) if not isinstance(keep, str) else keep, keep_inexact,
-    ))
+    options = MigrationOptions(
+        zero_attn=zero_attn,
+        fold_value_bias=fold_value_bias,
+        verify=verify,
+        dry_run=dry_run,
+        force=force,
+        companions=companions,
+        progress=progress,
+        follow_outside_links=follow_outside_links,
+        allow_expand=allow_expand,
+        keep=keep,
+        keep_inexact=keep_inexact,
+    )
+    return migrate("strip", source, destination, options)
 
 
 def fold_checkpoint(
@@ -177,9 +187,18 @@ def fold_checkpoint(
     """
     from ._migrate import MigrationOptions, migrate
 
-    return migrate("fold", source, destination, MigrationOptions(
-        zero_attn, fold_value_bias, verify, dry_run, force, companions, progress, follow_outside_links, allow_expand,
-    ))
+    options = MigrationOptions(
+        zero_attn=zero_attn,
+        fold_value_bias=fold_value_bias,
+        verify=verify,
+        dry_run=dry_run,
+        force=force,
+        companions=companions,
+        progress=progress,
+        follow_outside_links=follow_outside_links,
+        allow_expand=allow_expand,
+    )
+    return migrate("fold", source, destination, options)
 
 
 def to_stock_checkpoint(
@@ -203,9 +222,17 @@ def to_stock_checkpoint(
     """
     from ._migrate import MigrationOptions, migrate
 
-    return migrate("to-stock", source, destination, MigrationOptions(
-        zero_attn, False, verify, dry_run, force, companions, progress, follow_outside_links, allow_expand,
-    ))
+    options = MigrationOptions(
+        zero_attn=zero_attn,
+        verify=verify,
+        dry_run=dry_run,
+        force=force,
+        companions=companions,
+        progress=progress,
+        follow_outside_links=follow_outside_links,
+        allow_expand=allow_expand,
+    )
+    return migrate("to-stock", source, destination, options)
 
 
 def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:
@@ -215,9 +242,7 @@ def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> Mi
     return inspect_source(source, zero_attn=zero_attn)
 
 
-def fold_state_dict(
-    state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False
-) -> dict:
+def fold_state_dict(state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False) -> dict:
     """:func:`fold_checkpoint` on a state dict in memory (``model.state_dict()``): a new dict in
     stock's layout with every key slot zeroed, which stock and slim both load. The input is never
     modified; the tensors this leaves alone are the input's own objects.
@@ -227,9 +252,7 @@ def fold_state_dict(
     return migrate_state_dict(state_dict, "fold", zero_attn=zero_attn, fold_value_bias=fold_value_bias)
 
 
-def strip_state_dict(
-    state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False
-) -> dict:
+def strip_state_dict(state_dict, *, zero_attn: Iterable[str] = (), fold_value_bias: bool = False) -> dict:
     """:func:`strip_checkpoint` on a state dict in memory: a new dict in the key-bias-free layout,
     which slim's ``load_state_dict`` reads."""
     from ._state_dict import migrate_state_dict

@@ -86,6 +86,14 @@ class TensorRecord:
     tensor: Tensor | None = None  # the tensor itself (torch pickles), possibly not contiguous
     stored: int | None = None  # bytes of the storage it views (torch pickles): less than nbytes when expanded
 
+    @property
+    def data_offset(self) -> int:
+        """Where the data starts in the shard's file: safetensors sources only (a torch pickle's records
+        carry the tensor itself)."""
+        if self.offset is None:
+            raise RuntimeError(f"{self.shard.path}: '{self.key}' has no byte range (a torch file's tensor)")
+        return self.offset
+
     def read(self) -> Tensor:
         """The tensor: read from its byte range of the opened shard for safetensors sources (the header
         is not parsed again)."""
@@ -95,7 +103,7 @@ class TensorRecord:
         try:
             view, filled = memoryview(data), 0
             while filled < self.nbytes:
-                count = os.preadv(self.shard.file.descriptor, [view[filled:]], self.offset + filled)
+                count = os.preadv(self.shard.opened.descriptor, [view[filled:]], self.data_offset + filled)
                 if not count:
                     raise OSError(f"the file ends {self.nbytes - filled} bytes early; it changed while being read")
                 filled += count
@@ -124,6 +132,13 @@ class Shard:
     def nbytes(self) -> int:
         return sum(record.nbytes for record in self.records.values())
 
+    @property
+    def opened(self) -> OpenedFile:
+        """The file, opened: every shard is opened before any of its bytes are read."""
+        if self.file is None:
+            raise RuntimeError(f"{self.path}: read before it was opened")
+        return self.file
+
 
 @dataclass(eq=False)
 class Checkpoint:
@@ -141,6 +156,20 @@ class Checkpoint:
     index_path: Path | None = None
     files: list[OpenedFile] = field(default_factory=list)  # every input opened: shards and index
     index_file: OpenedFile | None = None
+
+    @property
+    def output_index_name(self) -> str:
+        """The output index's name: a sharded checkpoint has one."""
+        if self.index_name is None:
+            raise RuntimeError(f"{self.source}: a {self.kind} checkpoint has no index")
+        return self.index_name
+
+    @property
+    def opened_index(self) -> OpenedFile:
+        """The index file that was read, opened: a sharded checkpoint has one."""
+        if self.index_file is None:
+            raise RuntimeError(f"{self.source}: a {self.kind} checkpoint has no index file")
+        return self.index_file
 
     def check_unchanged(self) -> None:
         """Fail, naming the file, if any input was replaced or written to since it was opened."""
@@ -167,7 +196,7 @@ class Checkpoint:
 
     def recorded(self, key: str) -> list[tuple[Path, object]]:
         """Each value of metadata ``key`` stored in the files (shards, then the index), with its file."""
-        found = [(shard.path, shard.metadata[key]) for shard in self.shards if key in shard.metadata]
+        found: list[tuple[Path, object]] = [(s.path, s.metadata[key]) for s in self.shards if key in s.metadata]
         if self.index_path is not None and key in self.index_metadata:
             found.append((self.index_path, self.index_metadata[key]))
         return found
@@ -277,13 +306,16 @@ def lone_checkpoint_file(folder: Path) -> Path:
         if _present(folder / name):
             return folder / name
     found = sorted(
-        name for name in os.listdir(folder)
+        name
+        for name in os.listdir(folder)
         if name.endswith((".safetensors", *TORCH_SUFFIXES)) and not os.path.isdir(folder / name)
     )
     if len(found) == 1:
         return folder / found[0]
-    held = f"holds {len(found)} weight files ({', '.join(shown(name) for name in found[:4])})" if found else (
-        "holds no weight file (.safetensors, .pt, .pth, .bin, .ckpt)"
+    held = (
+        f"holds {len(found)} weight files ({', '.join(shown(name) for name in found[:4])})"
+        if found
+        else ("holds no weight file (.safetensors, .pt, .pth, .bin, .ckpt)")
     )
     raise ValueError(
         f"{shown(folder)}: directory has no index ({INDEX_NAME} or {TORCH_INDEX_NAME}) and {held}; pass the "
@@ -395,10 +427,14 @@ def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _O
                 "shards must sit beside the index"
             )
         first_key.setdefault(name, key)
-    shards, written_as, notes = [], {}, []
+    shards: list[Shard] = []
+    written_as: dict[str, str] = {}  # output shard name -> the input shard written under it
+    notes: list[str] = []
     for name in sorted(first_key):
         path = index_path.parent / name
-        listed = f"{shown(index_path)}: shard '{shown(name)}' is listed in the weight_map (for '{shown(first_key[name])}')"
+        listed = (
+            f"{shown(index_path)}: shard '{shown(name)}' is listed in the weight_map (for '{shown(first_key[name])}')"
+        )
         out = output_name(name)
         if out in written_as:
             raise ValueError(
@@ -411,7 +447,9 @@ def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _O
                 f"{listed} but it is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}; shards must be "
                 "safetensors files or torch state dicts"
             )
-        fix = "restore the shard or fix the index" if not _present(path) else "put the shard file there or fix the index"
+        fix = (
+            "restore the shard or fix the index" if not _present(path) else "put the shard file there or fix the index"
+        )
         opened = opener.open(path, root, fix, listed=listed)
         if name.endswith(".safetensors"):
             shards.append(_open_safetensors(opened, out))
@@ -423,8 +461,14 @@ def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _O
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     metadata = {key: value for key, value in metadata.items() if key != "total_size"}
     return Checkpoint(
-        source, "sharded", shards, index_name=output_name(index_path.name), index_metadata=metadata,
-        notes=tuple(notes), index_path=index_path, index_file=opened_index,
+        source,
+        "sharded",
+        shards,
+        index_name=output_name(index_path.name),
+        index_metadata=metadata,
+        notes=tuple(notes),
+        index_path=index_path,
+        index_file=opened_index,
     )
 
 
@@ -484,8 +528,13 @@ def _open_torch(opened: OpenedFile, name: str) -> tuple[Shard, tuple[str, ...]]:
         # can refuse it; its size and its storage's are recorded, and the migration decides.
         tensor = value.detach()
         shard.records[key] = TensorRecord(
-            key, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), tensor.numel() * tensor.element_size(), shard,
-            tensor=tensor, stored=tensor.untyped_storage().nbytes(),
+            key,
+            DTYPE_NAMES[tensor.dtype],
+            tuple(tensor.shape),
+            tensor.numel() * tensor.element_size(),
+            shard,
+            tensor=tensor,
+            stored=tensor.untyped_storage().nbytes(),
         )
     return shard, notes
 
@@ -548,9 +597,7 @@ def _torch_load(opened: OpenedFile) -> object:
         reason = _one_line(exc)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         # The weights-only unpickler's own complaint, without torch's advice around it.
-        detail = next(
-            (line for line in lines if "GLOBAL" in line or "Unsupported" in line or "Can only" in line), None
-        )
+        detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line or "Can only" in line), None)
         if "Weights only load failed" in reason and detail and "Unsupported operand" not in detail:
             raise ValueError(
                 f"{shown(path)}: refused: the pickle needs more than tensors ({shown(detail)}) and was not "

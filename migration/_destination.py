@@ -25,8 +25,10 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from safetensors import SafetensorError, safe_open
 
@@ -41,8 +43,24 @@ _PERMISSIONS = 0o777  # cp -p keeps these; set-id and sticky bits never come alo
 # Files that hold weights (or pickles) in the formats a model folder ships: never copied as companions,
 # since the output holds the converted weights and a stale copy of the originals could be loaded instead.
 WEIGHT_SUFFIXES = (
-    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json", ".h5", ".msgpack", ".onnx", ".gguf",
-    ".ggml", ".onnx_data", ".pb", ".tflite", ".ot", ".npz", ".pkl", ".pickle",
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".index.json",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".ggml",
+    ".onnx_data",
+    ".pb",
+    ".tflite",
+    ".ot",
+    ".npz",
+    ".pkl",
+    ".pickle",
 )
 
 
@@ -66,9 +84,7 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
             "(the shards keep their names), not a file name"
         )
     if not writes_directory and not destination.name.endswith(".safetensors"):
-        raise ValueError(
-            f"{shown(destination)}: the output is one safetensors file, so DST must end in .safetensors"
-        )
+        raise ValueError(f"{shown(destination)}: the output is one safetensors file, so DST must end in .safetensors")
     if not destination.parent.resolve().is_dir() and not dry_run:
         raise FileNotFoundError(f"{shown(destination.parent)}: the folder for DST does not exist; create it first")
     source_root = Path(os.path.realpath(source))
@@ -98,9 +114,7 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
                 "DST must be a real folder: give the link's target, or choose another DST"
             )
         if not destination.is_dir():
-            raise ValueError(
-                f"{shown(destination)}: exists and is not a directory; remove it or choose another DST"
-            )
+            raise ValueError(f"{shown(destination)}: exists and is not a directory; remove it or choose another DST")
         entries = sorted(os.listdir(destination))
         if not entries:
             return
@@ -117,7 +131,7 @@ def check_destination(source: Path, kind: str, destination: Path, *, force: bool
 
 
 def check_replaceable(
-    destination: Path, *, directory: bool, writes: set[str], reads: list[Path], companions: list[Companion] = ()
+    destination: Path, *, directory: bool, writes: set[str], reads: list[Path], companions: Sequence[Companion] = ()
 ) -> None:
     """Refuse unless replacing ``destination`` (when it exists) loses nothing: it is not and does not
     hold any file in ``reads``, and a folder holds only files this run writes that are ours (see the
@@ -157,10 +171,8 @@ def check_replaceable(
 def _ancestry(folder: Path) -> set[tuple[int, int]]:
     """The ``(st_dev, st_ino)`` of ``folder`` and of each folder above it: a folder reached through a bind
     mount, or spelled another way, has the same identity as the original."""
-    identities = {identity(folder)}
-    identities.update(identity(parent) for parent in folder.parents)
-    identities.discard(None)
-    return identities
+    found = (identity(folder), *(identity(parent) for parent in folder.parents))
+    return {one for one in found if one is not None}
 
 
 def permissions(path: Path) -> int:
@@ -181,9 +193,7 @@ def companion_record(digests: dict[str, str]) -> str:
     return json.dumps(dict(sorted(digests.items())), separators=(",", ":"))
 
 
-def find_companions(
-    checkpoint: Checkpoint, *, follow_outside_links: bool = False
-) -> tuple[list[Companion], list[str]]:
+def find_companions(checkpoint: Checkpoint, *, follow_outside_links: bool = False) -> tuple[list[Companion], list[str]]:
     """The files to copy beside the output's shards, and a note for each file of the folder left out.
 
     A file whose resolved path leaves SRC's folder is left out (a README.md linked to a private key
@@ -212,9 +222,11 @@ def find_companions(
             skipped.append(f"did not copy {shown(name)}: not a regular file")
         elif name.endswith(WEIGHT_SUFFIXES):
             skipped.append(f"did not copy {shown(name)}: a weight file this run does not convert")
-        elif entry.is_symlink() and not follow_outside_links and (
-            outside := outside_source(resolved_input(path), root)
-        ) is not None:
+        elif (
+            entry.is_symlink()
+            and not follow_outside_links
+            and (outside := outside_source(resolved_input(path), root)) is not None
+        ):
             skipped.append(
                 f"did not copy {shown(name)}: a symbolic link that leads outside SRC, to {shown(outside)} "
                 f"({option('follow_outside_links')} copies it)"
@@ -238,10 +250,10 @@ def input_files(checkpoint: Checkpoint, companions: list[Companion]) -> list[Pat
 def _resolved(path: Path, parents: dict[str, str]) -> Path:
     """``realpath(path)``, resolving each folder once (``parents`` caches them): only a symbolic link
     itself needs the full walk, and a model folder's thousands of plain files share one folder."""
-    path = os.fspath(path)
-    folder, name = os.path.split(path)
-    if name in ("", ".", "..") or os.path.islink(path):
-        return resolved_input(Path(path))
+    text = os.fspath(path)
+    folder, name = os.path.split(text)
+    if name in ("", ".", "..") or os.path.islink(text):
+        return resolved_input(Path(text))
     if folder not in parents:  # resolved as spelled: realpath, not abspath, gets "link/.." right
         parents[folder] = os.path.realpath(folder or ".")
     return Path(os.path.join(parents[folder], name))
@@ -305,7 +317,7 @@ def _check_entry_kind(destination: Path, name: str) -> None:
         _refuse_entry(destination, name, "which is not a regular file")
 
 
-def _refuse_entry(destination: Path, name: str, why: str) -> None:
+def _refuse_entry(destination: Path, name: str, why: str) -> NoReturn:
     raise ValueError(
         f"{shown(destination)}: {option('force')} would delete '{shown(name)}', {why}; a folder is replaced "
         "only if it holds nothing but the shards, index and companion files of a checkpoint output: move "
@@ -353,8 +365,9 @@ def _recorded_companions(destination: Path, entries: list[str], index: dict | No
         record = json.loads(value) if isinstance(value, str) else {}
     except (ValueError, RecursionError):
         return {}
-    return {name: digest for name, digest in record.items() if isinstance(digest, str)} if isinstance(
-        record, dict) else {}
+    return (
+        {name: digest for name, digest in record.items() if isinstance(digest, str)} if isinstance(record, dict) else {}
+    )
 
 
 def _check_ours(path: Path, destination: Path, name: str | None = None) -> None:
@@ -372,7 +385,7 @@ def _check_ours(path: Path, destination: Path, name: str | None = None) -> None:
         _refuse_foreign(destination, name)
 
 
-def _refuse_foreign(destination: Path, name: str | None) -> None:
+def _refuse_foreign(destination: Path, name: str | None) -> NoReturn:
     """A checkpoint this tool did not write: never replaced, however much it looks like an output."""
     where = destination / name if name else destination
     raise ValueError(
@@ -413,7 +426,16 @@ def _same_bytes(path: Path, other: Path) -> bool:
 
 
 __all__ = [
-    "COMPANIONS_KEY", "OURS_KEY", "Companion", "WEIGHT_SUFFIXES", "check_destination", "check_replaceable",
-    "companion_record", "file_digest", "find_companions", "input_files", "output_permissions",
+    "COMPANIONS_KEY",
+    "OURS_KEY",
+    "Companion",
+    "WEIGHT_SUFFIXES",
+    "check_destination",
+    "check_replaceable",
+    "companion_record",
+    "file_digest",
+    "find_companions",
+    "input_files",
+    "output_permissions",
     "permissions",
 ]

@@ -124,7 +124,8 @@ def open_input(path: Path, root: Path | None, *, follow_outside_links: bool = Fa
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a link appeared since the lstat
             raise InputProblem(
-                path, "changed while this run opened it (a symbolic link appeared); rerun when nothing writes to SRC",
+                path,
+                "changed while this run opened it (a symbolic link appeared); rerun when nothing writes to SRC",
                 complete=True,
             ) from None
         raise InputProblem(path, f"cannot be read ({exc.strerror or exc})") from None
@@ -140,7 +141,12 @@ def open_input(path: Path, root: Path | None, *, follow_outside_links: bool = Fa
         os.close(descriptor)
         raise
     return OpenedFile(
-        path, descriptor, opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns,
+        path,
+        descriptor,
+        opened.st_dev,
+        opened.st_ino,
+        opened.st_size,
+        opened.st_mtime_ns,
         stat.S_IMODE(opened.st_mode) & 0o777,
     )
 
@@ -153,7 +159,8 @@ def resolved_input(path: Path) -> Path:
         return Path(os.path.realpath(path))
     except OSError:
         raise InputProblem(
-            path, "changed while this run resolved it (a symbolic link was replaced); rerun when nothing writes to SRC",
+            path,
+            "changed while this run resolved it (a symbolic link was replaced); rerun when nothing writes to SRC",
             complete=True,
         ) from None
 
@@ -229,6 +236,12 @@ def _kind(mode: int) -> str:
 
 
 __all__ = [
-    "InputProblem", "OpenedFile", "hub_blobs", "identity", "open_input", "opened_for_library", "outside_source",
+    "InputProblem",
+    "OpenedFile",
+    "hub_blobs",
+    "identity",
+    "open_input",
+    "opened_for_library",
+    "outside_source",
     "resolved_input",
 ]

@@ -54,7 +54,6 @@ from ._inputs import open_input
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import MODES, ModulePlan, already_folded, keep_module, migrated_tensors, plan_module
 from ._staging import Staging, pause_for_tests, remove_litter, sync_files
-from .report import option, plural, shown
 from ._verify import (
     check_module_error,
     check_written_file,
@@ -64,7 +63,7 @@ from ._verify import (
 )
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from ._zero_attn import check_patterns, matching_modules, records_zero_attn, zero_attn_modules
-from .report import MigrationReport, ModuleReport, NothingToDo, format_size
+from .report import MigrationReport, ModuleReport, NothingToDo, format_size, option, plural, shown
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 # A torch file may hold a view that repeats a small storage (``expand``): written out, it takes its full
@@ -91,7 +90,7 @@ class MigrationOptions:
     """The options of one run, carried whole from the public functions to the writer (their meaning:
     :func:`slim_mha.migration.strip_checkpoint`)."""
 
-    zero_attn: tuple[str, ...] = ()
+    zero_attn: Iterable[str] = ()  # checked and made a tuple by migrate
     fold_value_bias: bool = False
     verify: bool = False
     dry_run: bool = False
@@ -100,17 +99,21 @@ class MigrationOptions:
     progress: bool | None = None
     follow_outside_links: bool = False
     allow_expand: bool = False
-    keep: tuple[str, ...] = ()  # strip: modules left as they are, by name or glob pattern
+    keep: Iterable[str] = ()  # strip: modules left as they are, by name or glob pattern
     keep_inexact: bool = False  # strip: leave as they are the modules it cannot convert exactly
 
 
-def migrate(mode: str, source: str | os.PathLike, destination: str | os.PathLike, options: MigrationOptions) -> MigrationReport:
+def migrate(
+    mode: str, source: str | os.PathLike, destination: str | os.PathLike, options: MigrationOptions
+) -> MigrationReport:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if options.fold_value_bias and mode == "to-stock":
         raise ValueError("fold_value_bias applies to strip and fold only; to-stock restores the stock layout")
     if (options.keep or options.keep_inexact) and mode != "strip":
-        raise ValueError(f"{option('keep')} and {option('keep_inexact')} apply to strip only; {mode} converts every module it can")
+        raise ValueError(
+            f"{option('keep')} and {option('keep_inexact')} apply to strip only; {mode} converts every module it can"
+        )
     source, destination = Path(source), Path(destination)
     if destination.name in ("", ".", ".."):  # "." names a folder whose staging must sit beside it, not in it
         destination = Path(os.path.abspath(destination))
@@ -140,8 +143,8 @@ def _plans(checkpoint: Checkpoint, mode: str, options: MigrationOptions) -> list
             f"{shown(source)}: nothing to do: no attention modules found (no tensor named like in_proj_weight or "
             "q_proj_weight); nothing was written"
         )
-    marked = zero_attn_modules(options.zero_attn, groups, checkpoint)
-    kept = matching_modules(options.keep, groups, checkpoint, "keep")
+    marked = zero_attn_modules(tuple(options.zero_attn), groups, checkpoint)
+    kept = matching_modules(tuple(options.keep), groups, checkpoint, "keep")
     plans = []
     for group in groups:
         plan = plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=options.fold_value_bias)
@@ -187,15 +190,25 @@ def _migrate_opened(
         )
     outputs = _output_files(checkpoint, plans, rewritten)
     written, write_notes, output_bytes, copied = _write_planned(checkpoint, mode, destination, plans, outputs, options)
-    assumed = tuple(
-        module.name for module in modules if module.changed and module.zero_attn is None
-    ) if options.verify else ()
+    assumed = (
+        tuple(module.name for module in modules if module.changed and module.zero_attn is None)
+        if options.verify
+        else ()
+    )
     return _report(
-        checkpoint, mode, destination, tuple(modules),
-        output_tensors=sum(len(tensors) for _, tensors in outputs), output_bytes=output_bytes,
-        dry_run=options.dry_run, written=not options.dry_run, verified=options.verify,
-        files_read_back=len(written) if options.verify else 0, assumed_no_zero_attn=assumed,
-        companions=tuple(companion.name for companion in copied), extra_notes=(*notes, *write_notes),
+        checkpoint,
+        mode,
+        destination,
+        tuple(modules),
+        output_tensors=sum(len(tensors) for _, tensors in outputs),
+        output_bytes=output_bytes,
+        dry_run=options.dry_run,
+        written=not options.dry_run,
+        verified=options.verify,
+        files_read_back=len(written) if options.verify else 0,
+        assumed_no_zero_attn=assumed,
+        companions=tuple(companion.name for companion in copied),
+        extra_notes=(*notes, *write_notes),
     )
 
 
@@ -211,8 +224,12 @@ def _metadata(mode: str, plans: list[ModulePlan]) -> dict[str, str]:
 
 
 def _write_planned(
-    checkpoint: Checkpoint, mode: str, destination: Path, plans: list[ModulePlan],
-    outputs: list[tuple[str, list[OutputTensor]]], options: MigrationOptions,
+    checkpoint: Checkpoint,
+    mode: str,
+    destination: Path,
+    plans: list[ModulePlan],
+    outputs: list[tuple[str, list[OutputTensor]]],
+    options: MigrationOptions,
 ) -> tuple[dict[str, int], tuple[str, ...], int, list[Companion]]:
     """Check the destination and the free space, then write (or, in a dry run, check SRC once more).
     Returns the written sizes, notes, the output's bytes and the companions copied."""
@@ -222,7 +239,7 @@ def _write_planned(
     notes: tuple[str, ...] = tuple(skipped)
     if found and not options.companions:
         notes = (f"did not copy {plural(len(found), 'companion file')} ({option('no_companions')})",)
-    writes = {name for name, _ in outputs} | ({checkpoint.index_name} if checkpoint.kind == "sharded" else set())
+    writes = {name for name, _ in outputs} | ({checkpoint.output_index_name} if checkpoint.kind == "sharded" else set())
     writes |= {companion.name for companion in copied}
     reads = input_files(checkpoint, found)
 
@@ -257,7 +274,7 @@ def _check_expansion(checkpoint: Checkpoint) -> None:
                     f"pass {option('allow_expand')} if that is intended"
                 )
         if any(record.stored is not None for record in shard.records.values()):
-            size = shard.file.size
+            size = shard.opened.size
             if shard.nbytes > _EXPANSION * size + _EXPANSION_SLACK:
                 raise ValueError(
                     f"{shown(shard.path)}: its tensors would take {format_size(shard.nbytes)} once written but the "
@@ -282,7 +299,9 @@ def _check_free_space(destination: Path, needed: int) -> None:
 
 
 def _planned_sizes(
-    checkpoint: Checkpoint, outputs: list[tuple[str, list[OutputTensor]]], provenance: dict[str, str],
+    checkpoint: Checkpoint,
+    outputs: list[tuple[str, list[OutputTensor]]],
+    provenance: dict[str, str],
     digests: dict[str, str],
 ) -> dict[str, int]:
     """Each output file's size on disk (shards and index), as :func:`_write_output` writes them."""
@@ -292,7 +311,7 @@ def _planned_sizes(
         for name, tensors in outputs
     }
     if checkpoint.kind == "sharded":
-        sizes[checkpoint.index_name] = len(_index_text(checkpoint, outputs, provenance, digests).encode("utf-8"))
+        sizes[checkpoint.output_index_name] = len(_index_text(checkpoint, outputs, provenance, digests).encode("utf-8"))
     return sizes
 
 
@@ -376,9 +395,7 @@ def _module_report(
     plan: ModulePlan | None = None,
     verify_error: float | None = None,
 ) -> ModuleReport:
-    actions = {
-        mode: plan_module(group, mode, zero_attn=zero_attn).action for mode in MODES
-    }
+    actions = {mode: plan_module(group, mode, zero_attn=zero_attn).action for mode in MODES}
     key_bias, key_bias_max = _key_bias(group, read)
     return ModuleReport(
         name=group.name,
@@ -464,15 +481,22 @@ def _write_output(
     progress = options.progress
     if progress is None:
         progress = sys.stderr.isatty() and (len(files) > 1 or total >= _PROGRESS_BYTES)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=checkpoint.source.name,
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=checkpoint.source.name,
+        file=sys.stderr,
+        disable=not progress,
+    )
     # cp -p: each file keeps its source's permission bits, the folder its source folder's (a replaced
     # DST its own, less any the source lacks), whatever the umask.
     folder_source = checkpoint.source if checkpoint.source.is_dir() else checkpoint.source.parent
     if checkpoint.writes_directory:
         mode = output_permissions(permissions(folder_source), destination, force=options.force)
     else:
-        mode = output_permissions(checkpoint.shards[0].file.mode, destination, force=options.force)
+        mode = output_permissions(checkpoint.shards[0].opened.mode, destination, force=options.force)
     staging = Staging(destination, directory=checkpoint.writes_directory, mode=mode)
     try:
         with staging:
@@ -517,15 +541,22 @@ def _copy_companions(
 
 
 def _write_files(
-    checkpoint: Checkpoint, staging: Path, destination: Path, files: list[tuple[str, list[OutputTensor]]],
-    provenance: dict[str, str], digests: dict[str, str], mode: int, options: MigrationOptions, bar,
+    checkpoint: Checkpoint,
+    staging: Path,
+    destination: Path,
+    files: list[tuple[str, list[OutputTensor]]],
+    provenance: dict[str, str],
+    digests: dict[str, str],
+    mode: int,
+    options: MigrationOptions,
+    bar,
 ) -> dict[str, int]:
     """Write every shard (and a sharded checkpoint's index) into the staging path; their sizes."""
     shards = {shard.name: shard for shard in checkpoint.shards}
     sizes: dict[str, int] = {}
     for number, (name, tensors) in enumerate(files):
         path, final = (staging / name, destination / name) if checkpoint.writes_directory else (staging, destination)
-        file_mode = mode if not checkpoint.writes_directory else shards[name].file.mode
+        file_mode = mode if not checkpoint.writes_directory else shards[name].opened.mode
         bar.set_postfix_str(name, refresh=False)
         metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
         sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
@@ -535,11 +566,11 @@ def _write_files(
             check_written_file(path, tensors, shown_as=final)
     if checkpoint.kind == "sharded":
         text = _index_text(checkpoint, files, provenance, digests)
-        index = staging / checkpoint.index_name
-        _write_index(index, text, checkpoint.index_file.mode)
-        sizes[checkpoint.index_name] = len(text.encode("utf-8"))
+        index = staging / checkpoint.output_index_name
+        _write_index(index, text, checkpoint.opened_index.mode)
+        sizes[checkpoint.output_index_name] = len(text.encode("utf-8"))
         if options.verify:
-            check_written_text(index, text, shown_as=destination / checkpoint.index_name)
+            check_written_text(index, text, shown_as=destination / checkpoint.output_index_name)
     return sizes
 
 
@@ -565,7 +596,9 @@ def _is_empty_directory(path: Path) -> bool:
 
 
 def _index_text(
-    checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], provenance: dict[str, str],
+    checkpoint: Checkpoint,
+    files: list[tuple[str, list[OutputTensor]]],
+    provenance: dict[str, str],
     digests: dict[str, str],
 ) -> str:
     weight_map = {tensor.key: name for name, tensors in files for tensor in tensors}

@@ -184,4 +184,3 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
             raise fail("out_proj.weight", f"has input biases but no {prefix}out_proj.bias (bias=True sets both)")
         raise fail("out_proj.bias", "is present without input biases (bias=False drops both)")
     return AttentionGroup(prefix, records, embed_dim, kdim, vdim)
-

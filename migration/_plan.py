@@ -92,13 +92,19 @@ def _plan_strip(group: AttentionGroup, zero_attn: bool, fold_value: bool) -> Mod
     if "in_proj_bias" in group:
         if group.has_bias_kv:
             return ModulePlan(
-                group, "strip", zero_attn, "refuses: bias_k is present (use fold)",
+                group,
+                "strip",
+                zero_attn,
+                "refuses: bias_k is present (use fold)",
                 refusal=f"bias_k is present ({group.where('bias_k')}), so dropping the key bias is not "
                 "exact; use fold, which folds it into bias_k",
             )
         if zero_attn:
             return ModulePlan(
-                group, "strip", zero_attn, "refuses: add_zero_attn (use fold)",
+                group,
+                "strip",
+                zero_attn,
+                "refuses: add_zero_attn (use fold)",
                 refusal="it is marked add_zero_attn, and the zero key makes the key bias matter; use fold, "
                 "which keeps stock's layout for it",
             )
@@ -137,8 +143,12 @@ def already_folded(plan: ModulePlan, read: Callable[[str], Tensor]) -> ModulePla
     ``to-stock`` say for a module already in their layout (the data decides, so it is read here)."""
     group = plan.group
     if (
-        plan.mode != "fold" or plan.fold_value or plan.removed or not plan.placed
-        or set(plan.placed) - {"in_proj_bias", "bias_k"} or "in_proj_bias" not in group
+        plan.mode != "fold"
+        or plan.fold_value
+        or plan.removed
+        or not plan.placed
+        or set(plan.placed) - {"in_proj_bias", "bias_k"}
+        or "in_proj_bias" not in group
     ):
         return plan
     key_slot = read("in_proj_bias")[group.embed_dim : 2 * group.embed_dim]
@@ -148,7 +158,12 @@ def already_folded(plan: ModulePlan, read: Callable[[str], Tensor]) -> ModulePla
 
 
 def _with_value_fold(
-    group: AttentionGroup, mode: str, zero_attn: bool, fold_value: bool, actions: list[str], removed: set[str],
+    group: AttentionGroup,
+    mode: str,
+    zero_attn: bool,
+    fold_value: bool,
+    actions: list[str],
+    removed: set[str],
     placed: dict[str, str],
 ) -> ModulePlan:
     """The plan, with ``b_v`` folded into ``out_proj.bias`` too when asked (refused with add_zero_attn)."""
@@ -156,7 +171,10 @@ def _with_value_fold(
     if fold_value and value_bias_present:
         if zero_attn:
             return ModulePlan(
-                group, mode, zero_attn, "refuses: --fold-value-bias with add_zero_attn",
+                group,
+                mode,
+                zero_attn,
+                "refuses: --fold-value-bias with add_zero_attn",
                 refusal="it is marked add_zero_attn, and the zero value token cannot absorb -b_v, so "
                 "--fold-value-bias would change its output; drop --fold-value-bias",
             )
@@ -172,7 +190,12 @@ def _with_value_fold(
         if group.has_bias_kv:
             placed["bias_v"] = "bias_v"
     return ModulePlan(
-        group, mode, zero_attn, "; ".join(actions), removed=frozenset(removed), placed=placed,
+        group,
+        mode,
+        zero_attn,
+        "; ".join(actions),
+        removed=frozenset(removed),
+        placed=placed,
         fold_value=fold_value and value_bias_present,
     )
 
@@ -185,7 +208,10 @@ def _plan_to_stock(group: AttentionGroup, zero_attn: bool) -> ModulePlan:
     dtypes = {group.records[name].dtype for name in present}
     if len(dtypes) > 1:
         return ModulePlan(
-            group, "to-stock", zero_attn, "refuses: input biases of different dtypes",
+            group,
+            "to-stock",
+            zero_attn,
+            "refuses: input biases of different dtypes",
             refusal=f"its input biases have dtypes {', '.join(sorted(dtypes))}, which cannot be packed into "
             "one in_proj_bias; cast them to one dtype",
         )
@@ -219,7 +245,10 @@ def migrated_tensors(plan: ModulePlan, read: Callable[[str], Tensor]) -> dict[st
     elif group.is_slim and "in_proj_bias" in plan.placed:  # to-stock, or fold of the key-bias-free layout
         # bias_k comes back as stored (see unfold_key_bias), so it is neither read nor rewritten.
         biases = SlimBiases(
-            q_proj_bias=wide("q_proj_bias"), k_proj_bias=wide("k_proj_bias"), v_proj_bias=wide("v_proj_bias"), bias_k=None
+            q_proj_bias=wide("q_proj_bias"),
+            k_proj_bias=wide("k_proj_bias"),
+            v_proj_bias=wide("v_proj_bias"),
+            bias_k=None,
         )
         current["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=embed_dim)
     if plan.fold_value:
@@ -227,15 +256,20 @@ def migrated_tensors(plan: ModulePlan, read: Callable[[str], Tensor]) -> dict[st
         value_bias = current.get("v_proj_bias")
         if value_bias is None:
             value_bias = packed[2 * embed_dim :] if packed is not None else wide("v_proj_bias")
+        if value_bias is None:  # planned only for a module with a value bias
+            raise ValueError(f"'{shown(group.name)}' has no value bias to fold")
         weight = read("out_proj.weight")
         # fold_value_bias_into_output multiplies in the weight's dtype (at least fp32): widen it to the bias's too.
         work = torch.promote_types(weight.dtype, FLOAT_DTYPES[group.records["out_proj.bias"].dtype])
         current["out_proj.bias"], current["bias_v"] = fold_value_bias_into_output(
             value_bias, weight.to(work), wide("out_proj.bias"), wide("bias_v"), add_zero_attn=plan.zero_attn
         )
-        if "in_proj_bias" in plan.placed:  # the value slot is folded: it stays in the file as zeros
+        if "in_proj_bias" in plan.placed and packed is not None:  # the value slot folded: zeros in the file
             current["in_proj_bias"] = torch.cat([packed[: 2 * embed_dim], packed.new_zeros(embed_dim)])
-    return {
-        local: current[local].to(FLOAT_DTYPES[group.records[source].dtype]).contiguous()
-        for local, source in plan.placed.items()
-    }
+    result = {}
+    for local, source in plan.placed.items():
+        tensor = current.get(local)
+        if tensor is None:  # every placed tensor is computed above
+            raise ValueError(f"'{shown(group.name)}': {local} was planned but not computed")
+        result[local] = tensor.to(FLOAT_DTYPES[group.records[source].dtype]).contiguous()
+    return result

@@ -41,6 +41,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -55,12 +56,14 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from ._inputs import identity
 from .report import shown
 
+fcntl: ModuleType | None
 try:
-    import fcntl
+    fcntl = importlib.import_module("fcntl")
 except ImportError:  # pragma: no cover - not POSIX: litter is never removed automatically
     fcntl = None
 
@@ -395,7 +398,8 @@ class Staging:
                 except OSError:
                     _note(leftover=self.path)  # locked until we exit; the next run removes it
         finally:
-            os.close(self._lock)
+            if self._lock is not None:
+                os.close(self._lock)
             for token, path in self._entries:  # a path still there is litter the next run may remove
                 if not os.path.lexists(path):
                     _forget(token)

@@ -9,16 +9,16 @@ modified, and every tensor the mode leaves alone is the caller's own object.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from torch import Tensor
 
 from ._checkpoint import DTYPE_NAMES, Checkpoint, Shard, TensorRecord
-from ._modules import find_attention_modules
+from ._modules import AttentionGroup, find_attention_modules
 from ._plan import migrated_tensors, plan_module
-from .report import with_article
 from ._zero_attn import check_patterns, zero_attn_modules
+from .report import with_article
 
 __all__ = ["migrate_state_dict"]
 
@@ -35,7 +35,9 @@ def migrate_state_dict(
             ``nn.MultiheadAttention``, or a conversion that would not be exact.
     """
     if not isinstance(state_dict, Mapping):
-        raise ValueError(f"state_dict must be a mapping of names to tensors (model.state_dict()), got {with_article(type(state_dict).__name__)}")
+        raise ValueError(
+            f"state_dict must be a mapping of names to tensors (model.state_dict()), got {with_article(type(state_dict).__name__)}"
+        )
     shard = Shard(name=_SOURCE, path=Path(_SOURCE), metadata={})
     for key, value in state_dict.items():
         if not isinstance(key, str) or not isinstance(value, Tensor):
@@ -56,8 +58,17 @@ def migrate_state_dict(
         plan = plan_module(group, mode, zero_attn=group.name in marked, fold_value_bias=fold_value_bias)
         if plan.refusal:
             raise ValueError(f"{plan.refusal}; the state dict was not changed")
-        rewritten = migrated_tensors(plan, lambda local, group=group: group.records[local].read())
+        rewritten = migrated_tensors(plan, _reader(group))
         for local in plan.removed:
             result.pop(group.key(local), None)
         result.update({group.key(local): tensor for local, tensor in rewritten.items()})
     return result
+
+
+def _reader(group: AttentionGroup) -> Callable[[str], Tensor]:
+    """``read(local)``: the module's tensor of that local name, from the state dict."""
+
+    def read(local: str) -> Tensor:
+        return group.records[local].read()
+
+    return read

@@ -29,8 +29,8 @@ from slim_mha._matrix import TOLERANCE
 from slim_mha._torch_compat import STOCK_MHA
 from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias
 
-from .report import option, shown
 from ._writer import OutputTensor
+from .report import option, shown
 
 # The largest relative output error accepted is the project's slim-vs-stock TOLERANCE of the least
 # precise dtype the migrated module stores: folding rounds bias_k - b_k (and out_proj.bias + W_o b_v)
@@ -108,8 +108,10 @@ def _rebuild(tensors: dict[str, Tensor], embed_dim: int, kdim: int, vdim: int, z
     into stock's (a dropped key bias and a folded value bias become zero slots, as stock computes them)."""
     tensors = dict(tensors)
     if any(name in tensors for name in BIAS_NAMES):
-        biases = SlimBiases(*(tensors.pop(name, None) for name in BIAS_NAMES), bias_k=None)
-        tensors["in_proj_bias"], _ = unfold_key_bias(biases, embed_dim=embed_dim)
+        q_bias, k_bias, v_bias = (tensors.pop(name, None) for name in BIAS_NAMES)
+        in_proj_bias, _ = unfold_key_bias(SlimBiases(q_bias, k_bias, v_bias, bias_k=None), embed_dim=embed_dim)
+        if in_proj_bias is not None:  # some bias was stored, so the packed one exists
+            tensors["in_proj_bias"] = in_proj_bias
     module = STOCK_MHA(
         embed_dim,
         1,
@@ -150,7 +152,11 @@ def check_written_file(path: Path, tensors: list[OutputTensor], *, shown_as: Pat
         for key, tensor in expected.items():
             entry = header[key]
             begin, end = entry["data_offsets"]
-            if (entry["dtype"], tuple(entry["shape"]), end - begin) != (tensor.dtype, tuple(tensor.shape), tensor.nbytes):
+            if (entry["dtype"], tuple(entry["shape"]), end - begin) != (
+                tensor.dtype,
+                tuple(tensor.shape),
+                tensor.nbytes,
+            ):
                 raise fail(f"'{shown(key)}' has dtype {entry['dtype']} and shape {entry['shape']}, not as planned")
             source, start, what = _expected_bytes(tensor, sources, stack)
             at = _first_difference(written, 8 + length + begin, source, start, tensor.nbytes)
@@ -169,12 +175,14 @@ def _expected_bytes(tensor: OutputTensor, sources: dict, stack: ExitStack):
     record = tensor.record
     in_memory = tensor.tensor if tensor.tensor is not None else (record.tensor if record else None)
     if in_memory is not None:
-        what = "the converted tensor" if tensor.tensor is not None else f"the tensor in {shown(record.shard.path)}"
-        return memoryview(in_memory.contiguous().reshape(-1).view(torch.uint8).numpy()), 0, what
-    opened = record.shard.file
+        what = (
+            "the converted tensor" if tensor.tensor is not None else f"the tensor in {shown(tensor.source.shard.path)}"
+        )
+        return in_memory.contiguous().reshape(-1).view(torch.uint8).numpy().data, 0, what
+    opened = tensor.source.shard.opened
     if opened.path not in sources:  # the opened shard itself, never its path again
         sources[opened.path] = stack.enter_context(mmap.mmap(opened.descriptor, 0, access=mmap.ACCESS_READ))
-    return sources[opened.path], record.offset, f"its bytes in {shown(opened.path)}"
+    return sources[opened.path], tensor.source.data_offset, f"its bytes in {shown(opened.path)}"
 
 
 def _first_difference(written, written_start: int, source, source_start: int, length: int) -> int | None:

@@ -55,6 +55,13 @@ class OutputTensor:
     record: TensorRecord | None = None
     tensor: Tensor | None = None
 
+    @property
+    def source(self) -> TensorRecord:
+        """The source tensor this output copies: every output tensor not computed here has one."""
+        if self.record is None:
+            raise RuntimeError(f"'{self.key}' is neither computed nor copied from a source")
+        return self.record
+
 
 def planned_size(tensors: list[OutputTensor], metadata: dict[str, str]) -> int:
     """The size on disk of the file :func:`write_safetensors` writes for these tensors and metadata."""
@@ -63,8 +70,13 @@ def planned_size(tensors: list[OutputTensor], metadata: dict[str, str]) -> int:
 
 
 def write_safetensors(
-    path: Path, tensors: list[OutputTensor], metadata: dict[str, str], advance: Callable[[int], object],
-    *, shown_as: Path | None = None, mode: int = 0o644,
+    path: Path,
+    tensors: list[OutputTensor],
+    metadata: dict[str, str],
+    advance: Callable[[int], object],
+    *,
+    shown_as: Path | None = None,
+    mode: int = 0o644,
 ) -> int:
     """Write ``tensors`` to the file at ``path`` with permission bits ``mode`` and fsync it; returns its
     size. ``advance(n)`` is called as bytes are written. Messages name the file as ``shown_as`` (where
@@ -81,8 +93,18 @@ def write_safetensors(
                 _write_at(target, run.data, destination)
                 advance(run.length)
                 continue
-            _copy_range(run.source.descriptor, run.source_offset, target, destination, run.length, buffer, advance,
-                        source_path=run.source.path)
+            if run.source is None:  # _runs gives every run its bytes or its source
+                raise RuntimeError(f"{shown_as or path}: a tensor's bytes have no source")
+            _copy_range(
+                run.source.descriptor,
+                run.source_offset,
+                target,
+                destination,
+                run.length,
+                buffer,
+                advance,
+                source_path=run.source.path,
+            )
         os.fchmod(target, mode)
         os.fsync(target)
     finally:
@@ -157,13 +179,15 @@ def _runs(ordered: list[OutputTensor], offsets: list[int]) -> list[_Run]:
         in_memory = tensor.tensor if tensor.tensor is not None else (record.tensor if record else None)
         if in_memory is not None:
             flat = in_memory.contiguous().reshape(-1)  # an expanded view (stride 0) is written out in full
-            runs.append(_Run(offset, tensor.nbytes, data=memoryview(flat.view(torch.uint8).numpy())))
+            runs.append(_Run(offset, tensor.nbytes, data=flat.view(torch.uint8).numpy().data))
             continue
-        last = runs[-1] if runs else None
-        if last and last.source is record.shard.file and last.source_offset + last.length == record.offset:
-            runs[-1] = _Run(last.offset, last.length + tensor.nbytes, source=last.source, source_offset=last.source_offset)
+        record, last = tensor.source, runs[-1] if runs else None
+        if last and last.source is record.shard.opened and last.source_offset + last.length == record.data_offset:
+            runs[-1] = _Run(
+                last.offset, last.length + tensor.nbytes, source=last.source, source_offset=last.source_offset
+            )
         else:
-            runs.append(_Run(offset, tensor.nbytes, source=record.shard.file, source_offset=record.offset))
+            runs.append(_Run(offset, tensor.nbytes, source=record.shard.opened, source_offset=record.data_offset))
     return runs
 
 
@@ -198,8 +222,15 @@ def _write_at(descriptor: int, data, offset: int) -> None:
 
 
 def _copy_range(
-    source: int, source_offset: int, target: int, target_offset: int, length: int, buffer: bytearray,
-    advance: Callable[[int], object], *, source_path: Path,
+    source: int,
+    source_offset: int,
+    target: int,
+    target_offset: int,
+    length: int,
+    buffer: bytearray,
+    advance: Callable[[int], object],
+    *,
+    source_path: Path,
 ) -> None:
     """Copy ``length`` bytes between files: in the kernel when both offsets agree within a page
     (``copy_file_range``), otherwise through ``buffer``, which is as fast as ``cp`` for that case."""

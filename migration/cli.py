@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from . import (
     fold_checkpoint,
@@ -29,8 +30,7 @@ from . import (
     to_stock_checkpoint,
 )
 from ._staging import Journal, journal
-from .report import cli_spelling, shown
-from .report import NOTHING_TO_DO_STATUS, NothingToDo
+from .report import NOTHING_TO_DO_STATUS, NothingToDo, cli_spelling, shown
 
 PROG = "slim-mha-migrate"
 
@@ -129,7 +129,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.add_argument(
-            "source", metavar="SRC", help="checkpoint to read: a .safetensors, .pt, .pth, .bin or .ckpt file, an "
+            "source",
+            metavar="SRC",
+            help="checkpoint to read: a .safetensors, .pt, .pth, .bin or .ckpt file, an "
             "*.index.json, or a checkpoint folder (the top-level --help says what each may hold)",
         )
         if name != "inspect":
@@ -194,7 +196,10 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
 def _add_modules(sub: argparse.ArgumentParser, flag: str, what: str) -> None:
     """A repeatable option that names modules: a name as inspect lists it, or a glob."""
     sub.add_argument(
-        flag, action="append", default=[], metavar="MODULE",
+        flag,
+        action="append",
+        default=[],
+        metavar="MODULE",
         help=f"{what}: a name as inspect lists it, or a glob such as 'decoder.layers.*.self_attn'; repeatable",
     )
 
@@ -289,7 +294,7 @@ def _silence_stdout() -> None:
 
 def _interrupted(record: Journal) -> str:
     if record.committed:
-        return f"interrupted after {shown(record.destination)} was written completely{_leftovers(record)}"
+        return f"interrupted after {shown(record.destination or 'DST')} was written completely{_leftovers(record)}"
     if record.destination is not None and os.path.lexists(record.destination):
         return f"interrupted; nothing was written: {shown(record.destination)} was left as it was{_leftovers(record)}"
     return f"interrupted; nothing was written{_leftovers(record)}"
@@ -299,7 +304,7 @@ def _written(record: Journal) -> str:
     """What a failure after the output was moved into place must not hide."""
     if not record.committed:
         return _leftovers(record)
-    return f"; {shown(record.destination)} was written completely{_leftovers(record)}"
+    return f"; {shown(record.destination or 'DST')} was written completely{_leftovers(record)}"
 
 
 def _leftovers(record: Journal) -> str:
@@ -319,7 +324,7 @@ class _Interrupts:
         self.armed = True
         self.until_exit = until_exit
         self.signal = signal.SIGINT  # the one that stopped the run: the exit code is 128 + its number
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL or SIG_IGN
 
     def __enter__(self) -> _Interrupts:
         if threading.current_thread() is not threading.main_thread():
@@ -363,8 +368,12 @@ def _run(args: argparse.Namespace):
         return to_stock_checkpoint(args.source, args.destination, **options)
     if args.command == "strip":
         return strip_checkpoint(
-            args.source, args.destination, fold_value_bias=args.fold_value_bias, keep=args.keep,
-            keep_inexact=args.keep_inexact, **options,
+            args.source,
+            args.destination,
+            fold_value_bias=args.fold_value_bias,
+            keep=args.keep,
+            keep_inexact=args.keep_inexact,
+            **options,
         )
     return fold_checkpoint(args.source, args.destination, fold_value_bias=args.fold_value_bias, **options)
 

@@ -86,6 +86,7 @@ class NothingToDo(ValueError):
 
 NOTHING_TO_DO_STATUS = 3
 
+
 @dataclass(frozen=True)
 class ModuleReport:
     """One attention module, found by its key prefix.
@@ -218,7 +219,9 @@ def _format_migration(report: MigrationReport) -> list[str]:
     )
     if report.companions:
         copied = "would copy" if report.dry_run else "copied"
-        lines.append(f"{copied} {plural(len(report.companions), 'companion file')} unchanged: {', '.join(report.companions)}")
+        lines.append(
+            f"{copied} {plural(len(report.companions), 'companion file')} unchanged: {', '.join(report.companions)}"
+        )
     if report.dry_run:
         lines.append(f"dry run: would write {report.destination} ({what}); nothing was written")
     elif report.written:

@@ -66,7 +66,9 @@ def plan_weights_path(
     functional = records_graph or dropout_p > 0.0 or symbolic
     rows = q.shape[2]
     if average and not functional:
-        rows = rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len)
+        rows = (
+            rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len, _BLOCK_SCORES_BYTES)
+        )
     return WeightsPlan(functional, average, rows)
 
 
@@ -90,7 +92,12 @@ def attention_with_weights(
     :func:`~slim_mha._torch_compat.is_symbolic_call` for the call, asked once by the caller.
     """
     plan = plan_weights_path(
-        q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=records_graph(q, k, v, mask), symbolic=symbolic
+        q,
+        k.shape[2],
+        dropout_p=dropout_p,
+        average=average,
+        records_graph=records_graph(q, k, v, mask),
+        symbolic=symbolic,
     )
     check_weights_fit(q, k.shape[2], plan, symbolic=symbolic)  # before any (B, H, L, S)
     if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad
@@ -242,11 +249,11 @@ def _head_average(heads: int, dtype: torch.dtype, device: torch.device) -> Tenso
         return torch.full((1, 1, heads), 1.0 / heads, dtype=dtype, device=device)
 
 
-def _forced_rows(q: Tensor, src_len: int) -> int:
-    """Query rows per block holding at most ``_BLOCK_SCORES_BYTES`` of scores, as equal as possible."""
+def _forced_rows(q: Tensor, src_len: int, block_bytes: int) -> int:
+    """Query rows per block holding at most ``block_bytes`` of scores, as equal as possible."""
     B, H, L, _ = q.shape
     row_bytes = max(B * H * src_len * q.element_size(), 1)
-    most = max(1, _BLOCK_SCORES_BYTES // row_bytes)
+    most = max(1, block_bytes // row_bytes)
     if most >= L:
         return L
     blocks = -(-L // most)

@@ -217,7 +217,9 @@ def _read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return fields
 
 
-def _system_available(meminfo_path: str = "/proc/meminfo", overcommit_path: str = "/proc/sys/vm/overcommit_memory") -> int | None:
+def _system_available(
+    meminfo_path: str = "/proc/meminfo", overcommit_path: str = "/proc/sys/vm/overcommit_memory"
+) -> int | None:
     try:
         fields = _read_meminfo(meminfo_path)
         with open(overcommit_path) as overcommit:
@@ -249,8 +251,9 @@ def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/f
         if hierarchy == "0" and controllers == "":  # v2
             base, files = root, ("memory.max", "memory.current", ("active_file", "inactive_file"))
         elif "memory" in controllers.split(","):  # v1
-            base, files = os.path.join(root, "memory"), (
-                "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file")
+            base, files = (
+                os.path.join(root, "memory"),
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file")),
             )
         else:
             continue

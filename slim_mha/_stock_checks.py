@@ -63,9 +63,7 @@ def is_batched_mha_input(
         if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape != expected_shape:
             raise AssertionError(f"Expected `attn_mask` shape to be {expected_shape} but got {attn_mask.shape}")
         return False
-    raise AssertionError(
-        f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor"
-    )
+    raise AssertionError(f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D query tensor")
 
 
 def check_embed_dims(query: Tensor, key: Tensor, value: Tensor, embed_dim: int, same_embed_dim: bool) -> None:
@@ -121,7 +119,8 @@ def additive_mask(
         raise AssertionError(f"only bool and floating types of {mask_name} are supported")
     if other is not None and mask.dtype != other.dtype:
         warnings.warn(
-            f"Support for mismatched {mask_name} and {other_name} is deprecated. Use same type for both instead."
+            f"Support for mismatched {mask_name} and {other_name} is deprecated. Use same type for both instead.",
+            stacklevel=1,  # stock's: the warning names this line, as stock's names its own
         )
     if is_float:
         return mask
@@ -264,7 +263,9 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
     )
 
 
-def why_stock_layer_is_not_fused(layer, src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None) -> str:
+def why_stock_layer_is_not_fused(
+    layer, src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None
+) -> str:
     """Why stock's ``nn.TransformerEncoderLayer.forward`` would not hand this call to its fused kernel
     (``torch._transformer_encoder_layer_fwd``), in stock's words and order; ``""`` where it would.
 
@@ -298,9 +299,19 @@ def why_stock_layer_is_not_fused(layer, src: Tensor, src_mask: Tensor | None, sr
     if _HOOKS_UNFUSE and any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return "forward pre-/hooks are attached to the module"
     tensors = (
-        src, attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight, attention.out_proj.bias,
-        layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias,
-        layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias,
+        src,
+        attention.in_proj_weight,
+        attention.in_proj_bias,
+        attention.out_proj.weight,
+        attention.out_proj.bias,
+        layer.norm1.weight,
+        layer.norm1.bias,
+        layer.norm2.weight,
+        layer.norm2.bias,
+        layer.linear1.weight,
+        layer.linear1.bias,
+        layer.linear2.weight,
+        layer.linear2.bias,
     )
     if torch.overrides.has_torch_function(tensors):
         return "some Tensor argument has_torch_function"
@@ -308,5 +319,7 @@ def why_stock_layer_is_not_fused(layer, src: Tensor, src_mask: Tensor | None, sr
     if not all(t.device.type in devices for t in tensors):
         return f"some Tensor argument's device is neither one of {list(devices)}"
     if records_graph(*tensors):
-        return "grad is enabled and at least one of query or the input/output projection weights or biases requires_grad"
+        return (
+            "grad is enabled and at least one of query or the input/output projection weights or biases requires_grad"
+        )
     return ""

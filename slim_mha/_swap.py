@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from ._torch_compat import wrap_jit_prepare
+
+M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
     "FOLDED_VALUE_BIAS",
@@ -85,13 +88,13 @@ def refuse_rows_masked_from_every_key(mask: Tensor) -> None:
         )
 
 
-def rebuild_as(module: nn.Module, cls: type, **attributes) -> nn.Module:
+def rebuild_as(module: nn.Module, cls: type[M], **attributes) -> M:
     """A new ``cls`` module that holds ``module``'s parameters, submodules, buffers, flags and hooks.
 
     Both classes must be stock ``nn.MultiheadAttention`` or a subclass that adds no state of its own
     beyond ``SLIM_ATTRIBUTES``; those are dropped, then ``attributes`` are set.
     """
-    new = cls.__new__(cls)
+    new = object.__new__(cls)  # nn.Module defines no __new__: no __init__ runs, the state is copied below
     state = {name: value for name, value in module.__dict__.items() if name not in SLIM_ATTRIBUTES}
     for name in _OWN_CONTAINERS:
         if name in state:
@@ -101,13 +104,11 @@ def rebuild_as(module: nn.Module, cls: type, **attributes) -> nn.Module:
     return new
 
 
-
 # What a class body holds that its metaclass makes anew for every class.
 _MADE_PER_CLASS = ("__dict__", "__weakref__", "_abc_impl")
 # Each slim class sets ``_scripted_as``, the stock class TorchScript compiles in its place.
 
 
-@functools.cache
 def stock_counterpart(cls: type) -> type:
     """``cls`` with stock's class wherever slim's stands among its bases, and ``cls``'s own methods.
 
@@ -115,6 +116,16 @@ def stock_counterpart(cls: type) -> type:
     class of the same name, module and body whose bases are mapped the same way, so TorchScript
     compiles the user's methods on stock's.
     """
+    counterpart = _COUNTERPARTS.get(cls)
+    if counterpart is None:
+        counterpart = _COUNTERPARTS[cls] = _counterpart_of(cls)
+    return counterpart
+
+
+_COUNTERPARTS: dict[type, type] = {}  # one counterpart class per class, as TorchScript caches types
+
+
+def _counterpart_of(cls: type) -> type:
     if "_scripted_as" in cls.__dict__:
         return cls.__dict__["_scripted_as"]
     if not any(hasattr(base, "_scripted_as") for base in cls.__bases__):
@@ -133,7 +144,10 @@ def stock_counterpart(cls: type) -> type:
 def prepare_scriptable(module: nn.Module) -> nn.Module:
     """The module TorchScript compiles for a slim ``module``: its stock counterpart, same state."""
     refuse_folded_value_bias(module, "(this module)", "torch.jit.script")
-    return rebuild_as(module, stock_counterpart(type(module)))
+    counterpart = stock_counterpart(type(module))
+    if not issubclass(counterpart, nn.Module):  # a module's class maps to a module's class
+        raise TypeError(f"torch.jit.script: {type(module).__qualname__} maps to {counterpart!r}, not a module class")
+    return rebuild_as(module, counterpart)
 
 
 def shadow_tree(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
@@ -150,7 +164,9 @@ def shadow_tree(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> 
     shadow = type(module).__new__(type(module))
     memo[id(module)] = shadow
     state = dict(module.__dict__)
-    state["_modules"] = {name: child if child is None else shadow_tree(child, memo) for name, child in module._modules.items()}
+    state["_modules"] = {
+        name: child if child is None else shadow_tree(child, memo) for name, child in module._modules.items()
+    }
     for name, value in module.__dict__.items():
         if name != "_modules" and isinstance(value, nn.Module):
             state[name] = shadow_tree(value, memo)

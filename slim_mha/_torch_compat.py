@@ -35,6 +35,7 @@ STOCK_MHA = torch.nn.modules.activation.MultiheadAttention
 # Likewise the encoder layer, whose fused inference kernel takes the attention's parameters directly.
 STOCK_ENCODER_LAYER = torch.nn.modules.transformer.TransformerEncoderLayer
 
+
 def records_graph(*tensors: Tensor | None) -> bool:
     """Whether autograd records an op on these tensors: grad mode is on and one of them requires grad
     (``None`` entries skipped). The one copy of the rule: path choice, stock's fast-path tests and
@@ -97,6 +98,8 @@ def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy
     if not isinstance(query, torch.fx.Proxy):
         return None
     tracer = query.tracer
+    if not isinstance(tracer, torch.fx.Tracer):  # a proxy of another tracer: no module paths to record
+        raise TypeError(f"slim_mha: a torch.fx Proxy of a {type(tracer).__name__}, which names no modules")
     return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
 
 
@@ -136,8 +139,18 @@ def stock_kernel(
     """
     embed_dim = query.shape[2]
     return torch._native_multi_head_attention(
-        query, query, query, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        None, need_weights, average,
+        query,
+        query,
+        query,
+        embed_dim,
+        num_heads,
+        in_proj_weight,
+        in_proj_bias,
+        out_proj_weight,
+        out_proj_bias,
+        None,
+        need_weights,
+        average,
     )
 
 
@@ -151,10 +164,11 @@ def wrap_jit_prepare(wrapper) -> None:
     """
     import torch.jit._script as script
 
-    prepare = script.call_prepare_scriptable_func
-    if not getattr(prepare, "_slim_mha_wrapped", False):
-        script.call_prepare_scriptable_func = wrapper(prepare)
-        script.call_prepare_scriptable_func._slim_mha_wrapped = True
+    if script.call_prepare_scriptable_func is not _JIT_PREPARE.get("ours"):
+        _JIT_PREPARE["ours"] = script.call_prepare_scriptable_func = wrapper(script.call_prepare_scriptable_func)
+
+
+_JIT_PREPARE: dict[str, object] = {}  # the wrapper wrap_jit_prepare installed, so it installs once
 
 
 @functools.cache

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import inspection, unread_weights
-from ._stock_checks import AttentionCall
 from ._explicit_attention import attention_with_weights, query_scale
 from ._stock_checks import (
+    AttentionCall,
     attention_mask,
     check_embed_dims,
     is_batched_mha_input,
@@ -123,7 +125,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # Loaded weights are a model of their own: this module now computes stock's function of them.
         self.__dict__.pop(FOLDED_VALUE_BIAS, None)
 
-    def __prepare_scriptable__(self) -> nn.MultiheadAttention:
+    def __prepare_scriptable__(self) -> nn.Module:
         """``torch.jit.script`` compiles the stock module (or the user's subclass of it) holding these
         same parameters; the eager model is left as it is (:mod:`slim_mha._swap`)."""
         return prepare_scriptable(self)
@@ -142,7 +144,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Stock's ``forward``: same arguments, shapes, masks semantics and return values."""
-        call = AttentionCall(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
+        call = AttentionCall(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
         path, why = choose_path(self, call)
         if inspection.EXPLAINING:
             inspection.note(self, "attention", path, why)
@@ -173,8 +177,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         its output comes back in stock's layout)."""
         query = call.query if self.batch_first else call.query.transpose(0, 1)  # (B, L, E), as a view
         out, weights = stock_kernel(
-            query, self.num_heads, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias), self.out_proj.weight,
-            self.out_proj.bias, call.need_weights, call.average_attn_weights,
+            query,
+            self.num_heads,
+            self.in_proj_weight,
+            without_key_bias_eager(self.in_proj_bias),
+            self.out_proj.weight,
+            self.out_proj.bias,
+            call.need_weights,
+            call.average_attn_weights,
         )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
@@ -187,17 +197,18 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         their dictionaries: at the sizes this path takes, each attribute read is a percent of a call."""
         query, key, value = sequence_first(*call[:3]) if self.batch_first else call[:3]
         (length, batch, width), heads, p = query.shape, self.num_heads, self._parameters
-        bias = without_key_bias_eager(p["in_proj_bias"])
-        q, k, v = stock_projected_heads(query, key, value, p["in_proj_weight"], bias, heads)  # (B·H, len, D)
+        # choose_path takes this path only with the packed projection and its bias: both are tensors
+        weight, bias = cast(Tensor, p["in_proj_weight"]), without_key_bias_eager(cast(Tensor, p["in_proj_bias"]))
+        q, k, v = stock_projected_heads(query, key, value, weight, bias, heads)  # (B·H, len, D)
         weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
         if self.training and self.dropout > 0.0:
             weights = F.dropout(weights, p=self.dropout)
         out = torch.bmm(weights, v)
         del q, k, v  # the projections are freed before the output's copy, as stock frees them
         out = out.transpose(0, 1).reshape(length * batch, width)  # stock's copy
-        out_p = self._modules["out_proj"]._parameters
+        out_p = cast(nn.Module, self._modules["out_proj"])._parameters
         # Rows as one matrix, as stock's: a 3-D input may add the bias after rounding (bf16)
-        out = F.linear(out, out_p["weight"], out_p["bias"]).view(length, batch, width)
+        out = F.linear(out, cast(Tensor, out_p["weight"]), out_p["bias"]).view(length, batch, width)
         weights = weights.view(batch, heads, length, -1)
         if call.average_attn_weights:
             weights = weights.mean(dim=1)
@@ -248,8 +259,17 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         appended = int(self.bias_k is not None) + int(self.add_zero_attn)
         stock_fast_path = is_batched and stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask)
         mask, is_causal = attention_mask(
-            attn_mask, key_padding_mask, is_causal, need_weights, query.dtype, batch=batch,
-            num_heads=self.num_heads, tgt_len=tgt_len, src_len=src_len, appended=appended, stock_fast_path=stock_fast_path,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            need_weights,
+            query.dtype,
+            batch=batch,
+            num_heads=self.num_heads,
+            tgt_len=tgt_len,
+            src_len=src_len,
+            appended=appended,
+            stock_fast_path=stock_fast_path,
         )  # additive, broadcastable to (B, H, L, S + appended)
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
 
@@ -286,7 +306,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     # --------------------------------------------------------------------------------- the steps
 
     def _project(
-        self, query: Tensor, key: Tensor, value: Tensor, batch_first: bool, *, symbolic: bool, weights_pass: bool = False
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        batch_first: bool,
+        *,
+        symbolic: bool,
+        weights_pass: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
         """Input projections without the key bias, fused as far as the inputs allow: q, k and v
         ``(B, H, len, D)``, and whether the queries come scaled by ``1/sqrt(D)``.
@@ -374,7 +401,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         elif self.bias_k is not None or self.bias_v is not None:
             raise AssertionError("bias_k and bias_v must be both set or both None")
         if self.add_zero_attn:
-            zero_key = k.new_zeros(B, H, 1, D) if b_k is None else (-b_k).view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)
+            zero_key = (
+                k.new_zeros(B, H, 1, D) if b_k is None else (-b_k).view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)
+            )
             k = torch.cat([k, zero_key], dim=2)
             v = torch.cat([v, v.new_zeros(B, H, 1, D)], dim=2)
         return k, v
@@ -422,7 +451,6 @@ def slim_options(
 # Heads as views: a projection split into per-head (B, H, L, D) tensors and merged back, in the
 # caller's layout (batch-first or sequence-first), so no transpose of the inputs is ever made. The
 # path that runs stock's ops takes stock's layouts instead: sequence_first and stock_projected_heads.
-
 
 
 def split_heads(

@@ -254,4 +254,3 @@ def fold_value_bias_into_output(
     new_out_bias = (base + shift).to(out_proj_weight.dtype)
     new_bias_v = None if bias_v is None else bias_v - v_proj_bias.view_as(bias_v)
     return new_out_bias, new_bias_v
-

@@ -19,6 +19,7 @@ and back: stock's layer runs a fused kernel in inference that never calls the at
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -57,7 +58,9 @@ def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Modul
     _refuse_parametrized(module, STOCK_MHA, "nn.MultiheadAttention", "convert")
     module = _swap_modules(module, _is_stock, lambda stock: rebuild_as(stock, SlimMultiheadAttention, **options))
     return _swap_modules(
-        module, lambda child: type(child) is STOCK_ENCODER_LAYER, lambda layer: rebuild_as(layer, SlimTransformerEncoderLayer)
+        module,
+        lambda child: type(child) is STOCK_ENCODER_LAYER,
+        lambda layer: rebuild_as(layer, SlimTransformerEncoderLayer),
     )
 
 
@@ -174,13 +177,13 @@ def _fold_one(attention: SlimMultiheadAttention) -> None:
             out_proj.bias = Parameter(out_bias, requires_grad=attention.in_proj_bias.requires_grad)
         else:
             out_proj.bias.copy_(out_bias)
-        if bias_v is not None:
+        if bias_v is not None and attention.bias_v is not None:
             attention.bias_v.copy_(bias_v)
         value_bias.zero_()
     attention.__dict__[FOLDED_VALUE_BIAS] = True
 
 
-def _refuse_parametrized(root: nn.Module, cls: type, what: str, caller: str) -> None:
+def _refuse_parametrized(root: nn.Module, cls: type[nn.Module], what: str, caller: str) -> None:
     """A parametrized module has a generated subclass type: refuse it, rather than skip it silently.
 
     Its class is generated from the class it was built from, so it cannot take the other class
@@ -188,7 +191,9 @@ def _refuse_parametrized(root: nn.Module, cls: type, what: str, caller: str) -> 
     """
     for name, child in root.named_modules():
         if isinstance(child, cls) and parametrize.is_parametrized(child):
-            tensors = ", ".join(child.parametrizations.keys())
+            tensors = ", ".join(
+                cast(nn.ModuleDict, child.parametrizations).keys()
+            )  # what register_parametrization makes
             raise ValueError(
                 f"{caller}: module {_describe(name)} is a parametrized {what} (parametrizations on {tensors}), "
                 f"which {caller} cannot change without dropping them; remove them first with "

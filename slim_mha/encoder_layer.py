@@ -67,7 +67,10 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
         kind = "no mask" if src_mask is None and src_key_padding_mask is None else "mask"
         length = src.shape[1]  # batch-first: stock fuses no other layout
     if length <= FUSED_LAYER_MAX_LENGTH[kind]:
-        return "stock fused layer", f"{length} tokens ({kind}): the fused kernel is faster up to {FUSED_LAYER_MAX_LENGTH[kind]}"
+        return (
+            "stock fused layer",
+            f"{length} tokens ({kind}): the fused kernel is faster up to {FUSED_LAYER_MAX_LENGTH[kind]}",
+        )
     return "slim layer", ""
 
 
@@ -96,7 +99,7 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
             return _nested_through(self, src)
         return _as_the_fused_kernel(self, src, src_mask, src_key_padding_mask)
 
-    def __prepare_scriptable__(self) -> nn.TransformerEncoderLayer:
+    def __prepare_scriptable__(self) -> nn.Module:
         """``torch.jit.script`` compiles stock's layer (or the user's subclass of it) holding these
         same submodules and parameters; the eager model is left as it is (:mod:`slim_mha._swap`)."""
         return prepare_scriptable(self)
@@ -107,21 +110,35 @@ def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mas
     with ``layer.self_attn`` (slim's) as the attention: batch-first ``src`` ``(B, L, E)``."""
     # The masks made canonical as stock's forward makes them, before it decides anything.
     src_key_padding_mask = F._canonical_mask(
-        mask=src_key_padding_mask, mask_name="src_key_padding_mask", other_type=F._none_or_dtype(src_mask),
-        other_name="src_mask", target_type=src.dtype,
+        mask=src_key_padding_mask,
+        mask_name="src_key_padding_mask",
+        other_type=F._none_or_dtype(src_mask),
+        other_name="src_mask",
+        target_type=src.dtype,
     )
     src_mask = F._canonical_mask(
-        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False,
+        mask=src_mask,
+        mask_name="src_mask",
+        other_type=None,
+        other_name="",
+        target_type=src.dtype,
+        check_other=False,
     )
     _refuse_masks_as_the_kernel(layer, src, src_mask, src_key_padding_mask)
     attention, eps, width = layer.self_attn, layer.norm1.eps, (src.shape[-1],)  # the kernel reads norm1.eps alone
     activation = F.gelu if layer.activation_relu_or_gelu == 2 else F.relu
 
-    def attend(x: Tensor) -> Tensor:  # forward, not the module's call: no hooks, as in the kernel (torch 2.4 fuses with hooks)
-        return attention.forward(x, x, x, key_padding_mask=src_key_padding_mask, need_weights=False, attn_mask=src_mask)[0]
+    def attend(
+        x: Tensor,
+    ) -> Tensor:  # forward, not the module's call: no hooks, as in the kernel (torch 2.4 fuses with hooks)
+        return attention.forward(
+            x, x, x, key_padding_mask=src_key_padding_mask, need_weights=False, attn_mask=src_mask
+        )[0]
 
     def feed_forward(x: Tensor) -> Tensor:
-        return F.linear(activation(F.linear(x, layer.linear1.weight, layer.linear1.bias)), layer.linear2.weight, layer.linear2.bias)
+        return F.linear(
+            activation(F.linear(x, layer.linear1.weight, layer.linear1.bias)), layer.linear2.weight, layer.linear2.bias
+        )
 
     def norm1(x: Tensor) -> Tensor:
         return F.layer_norm(x, width, layer.norm1.weight, layer.norm1.bias, eps)

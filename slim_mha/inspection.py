@@ -155,7 +155,9 @@ def explain(model: nn.Module, *args, **kwargs) -> PathReport:
         ValueError: ``model`` holds no slim attention module (patch or convert it first).
     """
     names = _slim_attention_names(model, "explain")
-    names.update({id(m): name or "(the model)" for name, m in model.named_modules() if _is_slim(m, STOCK_ENCODER_LAYER)})
+    names.update(
+        {id(m): name or "(the model)" for name, m in model.named_modules() if _is_slim(m, STOCK_ENCODER_LAYER)}
+    )
     report = PathReport(names)
     with _opened(EXPLAINING, report):
         model(*args, **kwargs)

@@ -103,10 +103,13 @@ class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockI
     _accepts_stock = STOCK_MHA
     _scripted_as = STOCK_MHA
 
-    @functools.wraps(SlimMultiheadAttention.__init__)
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("skip_unread_weights", _skip_unread_weights_while_patched())
         super().__init__(*args, **kwargs)
+
+
+# help() and inspect.signature show slim's constructor, whose arguments this one passes on.
+functools.update_wrapper(PatchedMultiheadAttention.__init__, SlimMultiheadAttention.__init__)
 
 
 class PatchedTransformerEncoderLayer(SlimTransformerEncoderLayer, metaclass=_AcceptsStockInstances):

@@ -7,6 +7,8 @@ are in ``benchmarks/RESULTS.md``, "Paths".
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor, nn
 
@@ -82,7 +84,11 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording
         return "general", why
     state = module.__dict__
     plain = (
-        query is key and key is value and key_padding_mask is None and attn_mask is None and not is_causal
+        query is key
+        and key is value
+        and key_padding_mask is None
+        and attn_mask is None
+        and not is_causal
         and state["_qkv_same_embed_dim"]
     )
     # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
@@ -98,7 +104,8 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording
         score_bytes = _packed_score_bytes(module, query, key, value)
         if score_bytes is not None and score_bytes <= largest:
             one_pass = (
-                state["batch_first"] and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
+                state["batch_first"]
+                and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
                 and not (state["training"] and state["dropout"] > 0.0)
             )
             if not one_pass or _records_graph(module, query, key, value):
@@ -137,7 +144,8 @@ def _self_attention_path(
 
 def _records_graph(module: nn.MultiheadAttention, *inputs: Tensor) -> bool:
     """:func:`~slim_mha._torch_compat.records_graph` of a call's inputs and the module's parameters."""
-    return records_graph(*inputs, *module._parameters.values(), *module._modules["out_proj"]._parameters.values())
+    out_proj = cast(nn.Module, module._modules["out_proj"])  # stock's __init__ registers it, always
+    return records_graph(*inputs, *module._parameters.values(), *out_proj._parameters.values())
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:
@@ -161,7 +169,7 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
         return "slim's own options (the equivariance check, skip_unread_weights)"
     if parameters.get("bias_k") is not None or parameters.get("bias_v") is not None or state["add_zero_attn"]:
         return "appended tokens, where the key bias matters"
-    out_parameters = module._modules["out_proj"]._parameters
+    out_parameters = cast(nn.Module, module._modules["out_proj"])._parameters
     weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
     out_weight, out_bias = out_parameters.get("weight"), out_parameters.get("bias")
     if bias is None or out_weight is None or out_bias is None or (weight is None and state["_qkv_same_embed_dim"]):
@@ -176,7 +184,12 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
     if not (query.is_cpu or query.is_cuda):
         return "a device other than cpu and cuda"
     dtype = query.dtype
-    if bias.dtype != dtype or out_weight.dtype != dtype or out_bias.dtype != dtype or (weight is not None and weight.dtype != dtype):
+    if (
+        bias.dtype != dtype
+        or out_weight.dtype != dtype
+        or out_bias.dtype != dtype
+        or (weight is not None and weight.dtype != dtype)
+    ):
         return "parameters of another dtype than the query"
     if torch.overrides.has_torch_function((bias, out_weight, out_bias)):
         return "tensor subclasses among the parameters"

@@ -69,6 +69,7 @@ from typing import TextIO
 import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
+from torch.utils.hooks import RemovableHandle
 
 from ._stock_checks import AttentionCall
 from ._torch_compat import STOCK_MHA, is_symbolic_call
@@ -122,9 +123,7 @@ _WARNED_VERSIONS: set[tuple[int, int]] = set()
 def resolve_option(skip_unread_weights: object) -> bool:
     """The constructor's ``skip_unread_weights``, checked."""
     if not isinstance(skip_unread_weights, bool):
-        raise ValueError(
-            f"skip_unread_weights must be True or False, got {skip_unread_weights!r}; pass a bool"
-        )
+        raise ValueError(f"skip_unread_weights must be True or False, got {skip_unread_weights!r}; pass a bool")
     return skip_unread_weights
 
 
@@ -242,6 +241,8 @@ def _analyse_call_site(code: CodeType, lasti: int) -> _Site | None:
     if keywords is None:
         return None
     after = _skip_padding(instructions, index + 1)
+    if call.arg is None:  # a call instruction always counts its arguments
+        return None
     if _subscripts_zero(instructions, after) or _unpacks_into_unread_second(code, instructions, after):
         return _Site(positional=call.arg - len(keywords), keywords=keywords)
     return None
@@ -291,12 +292,18 @@ def _keyword_names(code: CodeType, instructions: list[dis.Instruction], index: i
             if before < 0 or instructions[before].opname != "PRECALL" or instructions[before].arg != call.arg:
                 return None
             before -= 1
-        if before < 0 or instructions[before].opname != "KW_NAMES":
+        argument = instructions[before].arg if before >= 0 else None
+        if argument is None or instructions[before].opname != "KW_NAMES":
             return ()
-        names = code.co_consts[instructions[before].arg]
+        names = code.co_consts[argument]
     else:
         return None
-    if not isinstance(names, tuple) or len(names) > call.arg or not all(type(name) is str for name in names):
+    if (
+        call.arg is None
+        or not isinstance(names, tuple)
+        or len(names) > call.arg
+        or not all(type(name) is str for name in names)
+    ):
         return None
     return names
 
@@ -397,7 +404,7 @@ class _AuditState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reports: list[UnreadWeightsReport] = []
-        self.handle = None
+        self.handle: RemovableHandle | None = None
         self.hook_ids: frozenset[int] = frozenset()
 
 
@@ -450,5 +457,3 @@ def unread_weights_report(*, quiet: bool = False, file: TextIO | None = None) ->
                 _AUDIT.handle, _AUDIT.hook_ids = None, frozenset()
         if not quiet:
             print(report, file=file if file is not None else sys.stderr)
-
-

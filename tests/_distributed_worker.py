@@ -254,7 +254,9 @@ def fsdp2_deferred_init_and_gradients_as_stock(rank: int, world_size: int, out_d
         norm = torch.nn.utils.clip_grad_norm_(biases[:-1], 1.0)
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE).step()
         with torch.no_grad():
-            results.append((loss.detach(), norm.full_tensor() if hasattr(norm, "full_tensor") else norm, model(probe())))
+            results.append(
+                (loss.detach(), norm.full_tensor() if hasattr(norm, "full_tensor") else norm, model(probe()))
+            )
     (stock_loss, stock_norm, stock_out), (slim_loss, slim_norm, slim_out) = results
     assert torch.isfinite(slim_out).all(), "slim's output is not finite after deferred initialisation"
     assert_close(slim_loss, stock_loss, "FSDP2 loss")

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-from _reference import randomize_parameters as randomize
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -19,6 +18,8 @@ from slim_mha._torch_compat import (
     STOCK_MHA,  # stock even while slim_mha.patched() is active
 )
 from slim_mha.bias import fold_key_bias
+
+from _reference import randomize_parameters as randomize
 
 
 def stock_attention(

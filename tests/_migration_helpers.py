@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 from slim_mha.migration._staging import _record
 from slim_mha.migration.cli import main

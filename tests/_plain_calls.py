@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from _reference import STOCK_MHA, assert_module_matches_stock, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
+
+from _reference import STOCK_MHA, assert_module_matches_stock, randomize_parameters
 
 BATCH, LENGTH, EMBED, HEADS = 3, 6, 16, 4
 
@@ -89,14 +90,25 @@ class Tagged(torch.Tensor):
 
 # Calls that neither short path takes, made by refused_call; each test file adds its own.
 REFUSED = (
-    "key padding mask", "bool attn_mask", "float attn_mask", "causal mask", "cross attention",
-    "shared key and value", "graph recorded", "add_bias_kv", "add_zero_attn", "kdim and vdim", "no biases",
+    "key padding mask",
+    "bool attn_mask",
+    "float attn_mask",
+    "causal mask",
+    "cross attention",
+    "shared key and value",
+    "graph recorded",
+    "add_bias_kv",
+    "add_zero_attn",
+    "kdim and vdim",
+    "no biases",
     "unbatched",
 )
 # The module options those calls need.
 REFUSED_OPTIONS = {
-    "add_bias_kv": {"add_bias_kv": True}, "add_zero_attn": {"add_zero_attn": True},
-    "kdim and vdim": {"kdim": 10, "vdim": 6}, "no biases": {"bias": False},
+    "add_bias_kv": {"add_bias_kv": True},
+    "add_zero_attn": {"add_zero_attn": True},
+    "kdim and vdim": {"kdim": 10, "vdim": 6},
+    "no biases": {"bias": False},
 }
 
 

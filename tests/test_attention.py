@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from _reference import TOLERANCE, attention_tokens
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, MODES, WEIGHTS
 from slim_mha.bias import fold_key_bias, fold_value_bias_into_output
+
+from _reference import TOLERANCE, attention_tokens
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 6, 3
@@ -198,9 +199,7 @@ def compare_with_stock(case: Case) -> None:
             assert_close_scaled(actual[name], expected[name], case.dtype, f"{name} [{case}]")
         else:
             stock_error = _max_error(expected[name], reference[name])
-            assert_close_scaled(
-                actual[name], reference[name], case.dtype, f"{name} [{case}]", slack=2 * stock_error
-            )
+            assert_close_scaled(actual[name], reference[name], case.dtype, f"{name} [{case}]", slack=2 * stock_error)
 
 
 def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -210,9 +209,7 @@ def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------ the matrix
 
-STRUCTURE = list(
-    itertools.product((True, False), (True, False), ATTENTION_KINDS, (True, False), APPENDED, WEIGHTS)
-)
+STRUCTURE = list(itertools.product((True, False), (True, False), ATTENTION_KINDS, (True, False), APPENDED, WEIGHTS))
 
 
 @pytest.mark.parametrize(
@@ -404,7 +401,11 @@ def test_the_key_bias_gets_an_exactly_zero_gradient_and_never_moves():
     for _ in range(3):
         x = torch.randn(BATCH, L_TGT, E)
         y = torch.randn(BATCH, S_SRC, E)
-        loss = slim(x, x, x)[0].square().sum() + slim(x, y, y)[0].sum() + slim(x, y, y.flip(1), need_weights=False)[0].sum()
+        loss = (
+            slim(x, x, x)[0].square().sum()
+            + slim(x, y, y)[0].sum()
+            + slim(x, y, y.flip(1), need_weights=False)[0].sum()
+        )
         optimizer.zero_grad()
         loss.backward()
         assert torch.equal(slim.in_proj_bias.grad[E : 2 * E], torch.zeros(E)), "the key slot got a gradient"
@@ -495,12 +496,19 @@ def test_state_dict_errors_use_torch_wording():
     _, slim = stock_and_slim()
     stock_state = nn.MultiheadAttention(E, H).state_dict()
     bad = dict(stock_state, in_proj_bias=torch.zeros(2 * E))
-    with pytest.raises(RuntimeError, match=r"(?s)Error\(s\) in loading state_dict.*size mismatch for in_proj_bias: copying a param with shape torch.Size\(\[32\]\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)Error\(s\) in loading state_dict.*size mismatch for in_proj_bias: copying a param with shape torch.Size\(\[32\]\)",
+    ):
         slim.load_state_dict(bad)
     free = key_bias_free_state(nn.MultiheadAttention(E, H))
-    with pytest.raises(RuntimeError, match=r"size mismatch for q_proj_bias: copying a param with shape torch.Size\(\[8\]\)"):
+    with pytest.raises(
+        RuntimeError, match=r"size mismatch for q_proj_bias: copying a param with shape torch.Size\(\[8\]\)"
+    ):
         slim.load_state_dict(dict(free, q_proj_bias=torch.zeros(8)))
-    with pytest.raises(RuntimeError, match=r"in_proj_bias and q_proj_bias, v_proj_bias are both present: the state dict mixes"):
+    with pytest.raises(
+        RuntimeError, match=r"in_proj_bias and q_proj_bias, v_proj_bias are both present: the state dict mixes"
+    ):
         slim.load_state_dict(dict(free, in_proj_bias=torch.zeros(3 * E)))
     with pytest.raises(RuntimeError, match=r"missing key q_proj_bias beside v_proj_bias"):
         slim.load_state_dict({k: v for k, v in free.items() if k != "q_proj_bias"})
@@ -697,7 +705,8 @@ def test_slim_overrides_no_module_hook_beyond_loading():
 
     def hooks(cls: type) -> set[str]:
         return {
-            name for name, value in vars(cls).items()
+            name
+            for name, value in vars(cls).items()
             if callable(value) or isinstance(value, (property, classmethod, staticmethod))
         }
 

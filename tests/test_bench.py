@@ -74,7 +74,7 @@ def test_runs_the_matrix_and_writes_json_and_table(capsys, tmp_path):
         assert all(result["allocator_controlled"] for result in payload["cases"])
     assert "stock/slim" in out and "slim/floor" in out
     markdown = (tmp_path / "bench.md").read_text()
-    verdicts = out[out.index("Targets:"):].split("\n\n")[0].splitlines()[:9]  # the console's verdicts...
+    verdicts = out[out.index("Targets:") :].split("\n\n")[0].splitlines()[:9]  # the console's verdicts...
     assert verdicts[0] == "Targets:" and any(line.startswith(("  MET", "  MISS")) for line in verdicts)
     assert "\n".join(verdicts) in markdown  # ...are the file's, word for word (one formatter)
     assert re.search(r"expected time: \d+ s to \d+ (s|minutes) for 8 case\(s\) \(quiet to beside busy", out)
@@ -100,8 +100,15 @@ def test_output_fits_120_columns_without_profiler_chatter(capfd, tmp_path):
 
 def test_table_fits_120_columns_at_the_widest_case():
     """The longest mode, attention and shape labels and two dtypes (the dtype then joins each row)."""
-    case = {"batch": 16, "seq_len": 1024, "embed_dim": 1024, "num_heads": 16, "attention": "cross",
-            "need_weights": True, "mode": "train-equivariance"}
+    case = {
+        "batch": 16,
+        "seq_len": 1024,
+        "embed_dim": 1024,
+        "num_heads": 16,
+        "attention": "cross",
+        "need_weights": True,
+        "mode": "train-equivariance",
+    }
     timing = {"median_ms": 12345.67, "iqr_over_median": 0.5}
     results = [
         {
@@ -132,8 +139,9 @@ def test_plot_is_skipped_with_a_note_without_matplotlib(capsys, tmp_path, monkey
 def test_plot_covers_every_case_run(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "speedup.png"
-    payload, out = run_bench(capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference,train",
-                             "--attention", "self", "--plot", str(plot))
+    payload, out = run_bench(
+        capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference,train", "--attention", "self", "--plot", str(plot)
+    )
     assert len(payload["cases"]) == 8 and f"plot written to {plot} (8 cases)" in out
     assert plot.stat().st_size > 0
 
@@ -165,16 +173,36 @@ def _running(pid: int) -> bool:
 
 
 def test_busy_run_records_the_load_and_says_so(capsys, tmp_path):
-    payload, out = run_bench(capsys, tmp_path, "--mode", "inference", "--attention", "self", "--busy", "1",
-                             "--need-weights", "true", "--no-plot")
+    payload, out = run_bench(
+        capsys,
+        tmp_path,
+        "--mode",
+        "inference",
+        "--attention",
+        "self",
+        "--busy",
+        "1",
+        "--need-weights",
+        "true",
+        "--no-plot",
+    )
     assert payload["settings"]["busy_processes"] == 1
     assert "beside 1 busy processes" in out and "ran beside 1 competing busy process (--busy)" in out
 
 
 def test_missing_equivariance_mode_is_skipped_with_a_note(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(run_command, "equivariance_support", lambda: "train-equivariance skipped: not in this build")
-    payload, out = run_bench(capsys, tmp_path, "--mode", "train,train-equivariance", "--attention", "self",
-                             "--need-weights", "false", "--no-plot")
+    payload, out = run_bench(
+        capsys,
+        tmp_path,
+        "--mode",
+        "train,train-equivariance",
+        "--attention",
+        "self",
+        "--need-weights",
+        "false",
+        "--no-plot",
+    )
     assert [result["case"]["mode"] for result in payload["cases"]] == ["train"]
     assert "train-equivariance skipped" in out
 
@@ -274,8 +302,22 @@ def test_weights_command_times_stock_slim_the_floor_and_blocks_and_restores_the_
     from slim_mha import _explicit_attention as explicit
 
     path = tmp_path / "weights.json"
-    argv = ["weights", "--shape", "2x16x32x4", "--blocks", "2", "--one-pass", "--repeats", "2", "--warmup", "1",
-            "--min-sample-ms", "0", "--json", str(path)]
+    argv = [
+        "weights",
+        "--shape",
+        "2x16x32x4",
+        "--blocks",
+        "2",
+        "--one-pass",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--min-sample-ms",
+        "0",
+        "--json",
+        str(path),
+    ]
     assert bench.main(argv) == 0
     assert explicit._BLOCK_SCORES_BYTES is None and torch.backends.mha.get_fastpath_enabled()
     out = capsys.readouterr().out
@@ -285,7 +327,12 @@ def test_weights_command_times_stock_slim_the_floor_and_blocks_and_restores_the_
     assert [line for line in out.splitlines() if len(line) >= 100] == []
     result = json.loads(path.read_text())["results"][0]
     assert set(result["median_ms"]) == set(result["peak_bytes"]) == {"stock", "slim", "floor", "blocks", "one_pass"}
-    assert set(result["paired_ratios"]) == {"stock_over_slim", "slim_over_floor", "stock_over_blocks", "stock_over_one_pass"}
+    assert set(result["paired_ratios"]) == {
+        "stock_over_slim",
+        "slim_over_floor",
+        "stock_over_blocks",
+        "stock_over_one_pass",
+    }
     assert max(result["relative_error"].values()) < 1e-4  # every path computes what stock does
 
 
@@ -315,17 +362,29 @@ def test_memory_axis_ticks_are_plain_mib():
 
 def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_ratio_of_one():
     """The weights verdict and the memory target say how far above stock a peak is, in KiB."""
-    shapes = [{"paired_ratios": {"stock_over_slim": {"median": 1.01}, "slim_over_floor": {"median": 0.95}},
-               "peak_bytes": {"stock": 9 << 20, "slim": (9 << 20) + extra}} for extra in (0, 3072)]
+    shapes = [
+        {
+            "paired_ratios": {"stock_over_slim": {"median": 1.01}, "slim_over_floor": {"median": 0.95}},
+            "peak_bytes": {"stock": 9 << 20, "slim": (9 << 20) + extra},
+        }
+        for extra in (0, 3072)
+    ]
     verdict = weights_command.format_verdict(shapes, busy=0)
     assert "peak memory slim <= stock: 1/2 shapes, slim at most 3.0 KiB above stock" in verdict
     assert "KiB" not in weights_command.format_verdict(shapes[:1], busy=0)
     case = {"mode": "inference", "dtype": "fp32"}
-    results = [{"name": f"case {extra}", "case": case, "agrees": True, "relative_error": {"slim": 1e-7},
-                "ratios": {"stock_over_floor": 1.0},
-                "paired_ratios": {"stock_over_slim": {"median": 1.0}, "slim_over_floor": {"median": 1.0}},
-                "memory": {"stock": {"peak_bytes": 9 << 20}, "slim": {"peak_bytes": (9 << 20) + extra}}}
-               for extra in (0, 3072)]
+    results = [
+        {
+            "name": f"case {extra}",
+            "case": case,
+            "agrees": True,
+            "relative_error": {"slim": 1e-7},
+            "ratios": {"stock_over_floor": 1.0},
+            "paired_ratios": {"stock_over_slim": {"median": 1.0}, "slim_over_floor": {"median": 1.0}},
+            "memory": {"stock": {"peak_bytes": 9 << 20}, "slim": {"peak_bytes": (9 << 20) + extra}},
+        }
+        for extra in (0, 3072)
+    ]
     memory = next(check for check in report.evaluate_targets(results, "cpu") if "memory" in check.target)
     assert (memory.met, memory.total) == (1, 2)
     assert memory.detail == "worst 1.0003 at case 3072, slim at most 3.0 KiB above stock"
@@ -368,8 +427,22 @@ def test_case_masks_pad_every_other_row_and_refuse_unknown_names():
 
 def test_weights_command_passes_masks_to_every_contender(capsys, tmp_path):
     path = tmp_path / "weights.json"
-    argv = ["weights", "--shape", "2x16x32x4", "--masks", "both", "--one-pass", "--repeats", "2", "--warmup", "1",
-            "--min-sample-ms", "0", "--json", str(path)]
+    argv = [
+        "weights",
+        "--shape",
+        "2x16x32x4",
+        "--masks",
+        "both",
+        "--one-pass",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--min-sample-ms",
+        "0",
+        "--json",
+        str(path),
+    ]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "B=2 L=16 E=32 H=4, masks both, busy 0" in out

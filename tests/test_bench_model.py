@@ -13,8 +13,19 @@ QUICK = ["--repeats", "1", "--warmup", "0", "--min-sample-ms", "0"]
 
 def test_nn_transformer_with_two_inputs_agrees_and_is_timed(tmp_path, capsys):
     path = tmp_path / "model.json"
-    code = bench.main(["model", "_bench_models:tiny_transformer", "--input", "7x2x32", "--input", "5x2x32",
-                       *QUICK, "--json", str(path)])
+    code = bench.main(
+        [
+            "model",
+            "_bench_models:tiny_transformer",
+            "--input",
+            "7x2x32",
+            "--input",
+            "5x2x32",
+            *QUICK,
+            "--json",
+            str(path),
+        ]
+    )
     assert code == 0, capsys.readouterr()
     result = json.loads(path.read_text())
     assert result["attention_modules"] == 3 and result["agrees"] is True  # encoder self, decoder self and cross
@@ -35,23 +46,30 @@ def test_nn_transformer_with_two_inputs_agrees_and_is_timed(tmp_path, capsys):
 
 def test_a_model_of_our_own_with_an_input_function_and_dict_outputs(tmp_path, capsys):
     path = tmp_path / "set.json"
-    assert bench.main(["model", "_bench_models:SetPooling", "--input-fn", "_bench_models:set_batch", *QUICK,
-                       "--json", str(path)]) == 0
+    assert (
+        bench.main(
+            ["model", "_bench_models:SetPooling", "--input-fn", "_bench_models:set_batch", *QUICK, "--json", str(path)]
+        )
+        == 0
+    )
     result = json.loads(path.read_text())
     assert result["attention_modules"] == 2 and result["agrees"] and result["inputs"] == [[2, 10, 3]]
 
 
-@pytest.mark.parametrize("arguments,message", [
-    (["no_such_module:build", "--input", "2x3"], "cannot import 'no_such_module'"),
-    (["_bench_models:no_such_name", "--input", "2x3"], "'_bench_models' has no attribute 'no_such_name'"),
-    (["_bench_models:NOT_CALLABLE", "--input", "2x3"], "'NOT_CALLABLE' is a int, not a callable"),
-    (["_bench_models", "--input", "2x3"], "write it as MODULE:CALLABLE"),
-    (["_bench_models:SetPooling", "--input", "2xthree"], "--input '2xthree': a shape is positive integers"),
-    (["_bench_models:SetPooling", "--input", "2x10x5"], "--input: the model rejected its inputs: RuntimeError"),
-    (["_bench_models:set_batch", "--input", "2x3"], "returned a tuple, not an nn.Module"),
-    (["_bench_models:SetPooling"], "give the model's inputs"),
-    (["_bench_models:no_attention", "--input", "2x3"], "the model holds no nn.MultiheadAttention"),
-])
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (["no_such_module:build", "--input", "2x3"], "cannot import 'no_such_module'"),
+        (["_bench_models:no_such_name", "--input", "2x3"], "'_bench_models' has no attribute 'no_such_name'"),
+        (["_bench_models:NOT_CALLABLE", "--input", "2x3"], "'NOT_CALLABLE' is a int, not a callable"),
+        (["_bench_models", "--input", "2x3"], "write it as MODULE:CALLABLE"),
+        (["_bench_models:SetPooling", "--input", "2xthree"], "--input '2xthree': a shape is positive integers"),
+        (["_bench_models:SetPooling", "--input", "2x10x5"], "--input: the model rejected its inputs: RuntimeError"),
+        (["_bench_models:set_batch", "--input", "2x3"], "returned a tuple, not an nn.Module"),
+        (["_bench_models:SetPooling"], "give the model's inputs"),
+        (["_bench_models:no_attention", "--input", "2x3"], "the model holds no nn.MultiheadAttention"),
+    ],
+)
 def test_bad_input_gets_one_line_and_exit_2(arguments, message, capsys):
     assert bench.main(["model", *arguments, *QUICK]) == 2
     err = capsys.readouterr().err

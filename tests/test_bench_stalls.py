@@ -28,8 +28,11 @@ def sleeper(stall_calls):
 
 
 def test_one_stalled_call_makes_the_case_measured_again_and_the_second_round_counts():
-    stalls = measure({"stock": (sleeper(lambda n: n == 4), lambda: None), "slim": (sleeper(lambda n: False), lambda: None)},
-                     CPU, SETTINGS)
+    stalls = measure(
+        {"stock": (sleeper(lambda n: n == 4), lambda: None), "slim": (sleeper(lambda n: False), lambda: None)},
+        CPU,
+        SETTINGS,
+    )
     assert stalls["stock"].remeasured and stalls["slim"].remeasured  # the whole case, interleaved again
     assert not stalls["stock"].stalled  # the second round's median is a measurement
     assert stalls["stock"].median_ms < STALL_FACTOR * stalls["stock"].best_ms
@@ -52,16 +55,26 @@ def test_the_runner_records_stalls_and_the_reports_leave_them_out():
             self.step, self.reset = step, lambda: None
 
     result = time_interleaved(  # three calls of four stall, whatever the untimed calls before took
-        {"stock": Fake(sleeper(lambda n: n % 4 != 0)), "slim": Fake(sleeper(lambda n: False)),
-         "floor": Fake(sleeper(lambda n: False))},
-        CPU, SETTINGS, ratios=(("stock", "slim"), ("slim", "floor"), ("stock", "floor")),
+        {
+            "stock": Fake(sleeper(lambda n: n % 4 != 0)),
+            "slim": Fake(sleeper(lambda n: False)),
+            "floor": Fake(sleeper(lambda n: False)),
+        },
+        CPU,
+        SETTINGS,
+        ratios=(("stock", "slim"), ("slim", "floor"), ("stock", "floor")),
         spreads=(("stock", "slim"), ("slim", "floor")),
     )
     assert result["stalled"] == ["stock"] and result["remeasured"]
     assert report.is_stalled(result)
     assert report.ratio_text(result, "stock_over_slim") == "stalled (stock): no ratio"
-    result.update(name="case", case={"mode": "inference", "dtype": "fp32"}, agrees=True, relative_error={"slim": 0.0},
-                  memory={name: {"peak_bytes": 1} for name in ("stock", "slim", "floor")})
+    result.update(
+        name="case",
+        case={"mode": "inference", "dtype": "fp32"},
+        agrees=True,
+        relative_error={"slim": 0.0},
+        memory={name: {"peak_bytes": 1} for name in ("stock", "slim", "floor")},
+    )
     speed = next(check for check in report.evaluate_targets([result], "cpu") if "fast" in check.target)
     assert speed.total == 0  # a stalled case is not judged
     assert "1 case(s) stalled even when measured again" in report.format_summary([result])
@@ -74,7 +87,9 @@ def test_the_profilers_device_probe_is_kept_out_of_the_output(capfd):
     from slim_mha.bench.measure.memory import _profiler_chatter_silenced, profile_step
 
     with _profiler_chatter_silenced():
-        os.write(2, b"ERROR:2026-12-04 16:50:48 24322:24322 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")
+        os.write(
+            2, b"ERROR:2026-12-04 16:50:48 24322:24322 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+        )
         os.write(2, b"a warning of the step's own\n")
     x = torch.randn(8, 8)
     profile_step(lambda: x @ x, CPU)  # the real profiler, on whatever build this is

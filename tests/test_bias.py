@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha.bias import (
     SlimBiases,
@@ -16,6 +15,8 @@ from slim_mha.bias import (
     without_key_bias_eager,
 )
 
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
+
 E, H = 8, 2
 
 
@@ -25,8 +26,9 @@ def stock_module(**options) -> torch.nn.MultiheadAttention:
 
 def with_biases(stock: torch.nn.MultiheadAttention, in_proj_bias, bias_k) -> torch.nn.MultiheadAttention:
     """A stock module with stock's weights and the given stock-layout biases."""
-    other = STOCK_MHA(E, H, dtype=torch.float64, add_bias_kv=stock.bias_k is not None,
-                      add_zero_attn=stock.add_zero_attn).eval()
+    other = STOCK_MHA(
+        E, H, dtype=torch.float64, add_bias_kv=stock.bias_k is not None, add_zero_attn=stock.add_zero_attn
+    ).eval()
     state = stock.state_dict()
     state["in_proj_bias"] = in_proj_bias
     if bias_k is not None:
@@ -40,12 +42,18 @@ def run(module, x):
         return module(x, x, x)
 
 
-@pytest.mark.parametrize("options", [{}, {"add_bias_kv": True}, {"add_zero_attn": True},
-                                     {"add_bias_kv": True, "add_zero_attn": True}], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"add_bias_kv": True}, {"add_zero_attn": True}, {"add_bias_kv": True, "add_zero_attn": True}],
+    ids=str,
+)
 def test_fold_then_unfold_is_stock_s_function(options):
     stock = stock_module(**options)
-    folded = fold_key_bias(stock.in_proj_bias.detach(), None if stock.bias_k is None else stock.bias_k.detach(),
-                           add_zero_attn=stock.add_zero_attn)
+    folded = fold_key_bias(
+        stock.in_proj_bias.detach(),
+        None if stock.bias_k is None else stock.bias_k.detach(),
+        add_zero_attn=stock.add_zero_attn,
+    )
     assert (folded.k_proj_bias is not None) == keeps_key_bias(add_zero_attn=stock.add_zero_attn)
     packed, bias_k = unfold_key_bias(folded, embed_dim=E)
     x = torch.randn(5, 3, E, dtype=torch.float64)
@@ -73,8 +81,9 @@ def test_fold_value_bias_into_output_is_exact_where_rows_sum_to_one():
     out_bias, bias_v = fold_value_bias_into_output(
         b_v, stock.out_proj.weight.detach(), stock.out_proj.bias.detach(), stock.bias_v.detach()
     )
-    folded = with_biases(stock, torch.cat([stock.in_proj_bias.detach()[: 2 * E], torch.zeros(E, dtype=b_v.dtype)]),
-                         stock.bias_k.detach())
+    folded = with_biases(
+        stock, torch.cat([stock.in_proj_bias.detach()[: 2 * E], torch.zeros(E, dtype=b_v.dtype)]), stock.bias_k.detach()
+    )
     with torch.no_grad():
         folded.out_proj.bias.copy_(out_bias)
         folded.bias_v.copy_(bias_v)
@@ -99,7 +108,9 @@ def test_the_one_op_layout_is_the_graph_layout_bit_for_bit(dtype, embed_dim):
     one_op, graph = without_key_bias_eager(bias), without_key_bias(bias, embed_dim)
     assert one_op.dtype == dtype and one_op.shape == (3 * embed_dim,)
     assert torch.equal(one_op.view(torch.int8), graph.view(torch.int8))  # bits: +0.0 in the slot, not -0.0
-    assert torch.equal(one_op[:embed_dim], bias[:embed_dim]) and torch.equal(one_op[2 * embed_dim :], bias[2 * embed_dim :])
+    assert torch.equal(one_op[:embed_dim], bias[:embed_dim]) and torch.equal(
+        one_op[2 * embed_dim :], bias[2 * embed_dim :]
+    )
     assert torch.equal(bias.view(torch.int8), before.view(torch.int8))
     assert one_op.data_ptr() != bias.data_ptr()
 

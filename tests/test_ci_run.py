@@ -23,8 +23,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_COMMAND = "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && .venv/bin/python -m pytest"
-TOOLS = ("bash", "grep", "awk", "sed", "tee", "tail", "head", "sort", "rm", "mkdir", "dirname", "chmod", "cp",
-         "cat", "touch")
+TOOLS = (
+    "bash",
+    "grep",
+    "awk",
+    "sed",
+    "tee",
+    "tail",
+    "head",
+    "sort",
+    "rm",
+    "mkdir",
+    "dirname",
+    "chmod",
+    "cp",
+    "cat",
+    "touch",
+)
 
 _FAKE_PYTHON = """#!{bash}
 if [ "$1" = -c ]; then
@@ -65,7 +80,7 @@ chmod +x "$venv/bin/pip" "$venv/bin/python"
 # $FAKE_MOUNTS named after the mount point.
 _FAKE_ROOT_TOOLS = {
     "debootstrap": 'mkdir -p "$3/proc" "$3/dev" "$3/sys" "$3/usr/bin" "$3/usr/local/bin" "$3/etc"\n'
-                   'exit "${FAKE_DEBOOTSTRAP_RC:-0}"',
+    'exit "${FAKE_DEBOOTSTRAP_RC:-0}"',
     "mount": '[ "$1" = --make-rslave ] || touch "$FAKE_MOUNTS/$(echo "${@: -1}" | tr / _)"',
     "umount": 'rm "$FAKE_MOUNTS/$(echo "${@: -1}" | tr / _)"',
     "mountpoint": '[ -e "$FAKE_MOUNTS/$(echo "${@: -1}" | tr / _)" ]',
@@ -110,7 +125,9 @@ def add_pyenv(folder: Path, *versions: str) -> Path:
         minor = version.rsplit(".", 1)[0]
         interpreter = root / "versions" / version / "bin" / f"python{minor}"
         interpreter.parent.mkdir(parents=True)
-        interpreter.write_text(_FAKE_PYTHON3.format(bash=bash, fake_python=folder / "bin" / "fake-python", version=minor))
+        interpreter.write_text(
+            _FAKE_PYTHON3.format(bash=bash, fake_python=folder / "bin" / "fake-python", version=minor)
+        )
         interpreter.chmod(0o755)
     return root
 
@@ -129,15 +146,30 @@ def debian_tools(ci_copy) -> dict[str, str]:
         (tools / name).write_text(f"#!{bash}\necho \"{name} $*\" >> \"$FAKE_LOG\"\n{body}\n")
         (tools / name).chmod(0o755)
     (ci_copy / "mounts").mkdir()
-    return {"FAKE_LOG": str(ci_copy / "root.log"), "FAKE_MOUNTS": str(ci_copy / "mounts"),
-            "FAKE_PYTHON_TOOL": str(tools / "fake-python"), "FAKE_CHROOT_PYTHON": "3.13",
-            "PYENV_ROOT": str(ci_copy / "no-pyenv"), "SLIM_MHA_CI_PY313": "1"}
+    return {
+        "FAKE_LOG": str(ci_copy / "root.log"),
+        "FAKE_MOUNTS": str(ci_copy / "mounts"),
+        "FAKE_PYTHON_TOOL": str(tools / "fake-python"),
+        "FAKE_CHROOT_PYTHON": "3.13",
+        "PYENV_ROOT": str(ci_copy / "no-pyenv"),
+        "SLIM_MHA_CI_PY313": "1",
+    }
 
 
 def run_ci(folder: Path, *, ignore_sigint: bool = False, **variables: str) -> subprocess.CompletedProcess:
-    environment = {"PATH": str(folder / "bin"), "FAKE_TORCH": "2.13.0", "FAKE_PYTEST_RC": "0",
-                   "SLIM_MHA_CI_OLDEST": "0", "SLIM_MHA_CI_NEWEST": "0", "SLIM_MHA_CI_BETWEEN": "0", "SLIM_MHA_CI_PY312": "0", "SLIM_MHA_CI_PY313": "0", "PYENV_ROOT": str(folder / "pyenv"),
-                   **variables}
+    environment = {
+        "PATH": str(folder / "bin"),
+        "FAKE_TORCH": "2.13.0",
+        "FAKE_PYTEST_RC": "0",
+        "SLIM_MHA_CI_CHECKS": "0",
+        "SLIM_MHA_CI_OLDEST": "0",
+        "SLIM_MHA_CI_NEWEST": "0",
+        "SLIM_MHA_CI_BETWEEN": "0",
+        "SLIM_MHA_CI_PY312": "0",
+        "SLIM_MHA_CI_PY313": "0",
+        "PYENV_ROOT": str(folder / "pyenv"),
+        **variables,
+    }
     # SIGINT's disposition is set either way, so the result does not depend on how pytest was started.
     disposition = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
     return subprocess.run(
@@ -195,8 +227,10 @@ def test_each_step_but_local_deletes_its_venv_when_it_ends(ci_copy):
 def test_a_step_without_room_for_its_venv_fails_and_says_so(ci_copy):
     result = run_ci(ci_copy, SLIM_MHA_CI_BETWEEN="1", FAKE_FREE_KB="1000000")
     assert result.returncode == 1
-    assert ("torch2141  torch 2.14.1  FAILED: under 7 GB free on /fake; a step's venv takes a few GB, free some "
-            "and run again\n") in result.stdout
+    assert (
+        "torch2141  torch 2.14.1  FAILED: under 7 GB free on /fake; a step's venv takes a few GB, free some "
+        "and run again\n"
+    ) in result.stdout
     assert "local  torch 2.13.0  ok: " in result.stdout  # local's venv is the README's own, made either way
     assert not (ci_copy / ".venv-torch2141").exists()
 
@@ -211,12 +245,18 @@ def test_pytest_collecting_no_tests_fails_the_run(ci_copy):
 @pytest.mark.parametrize(
     "declared, refused, message",
     [
-        ('"torch>=2.4.1,<2.16"', '"torch>=2.4.1,<2.17"',
-         '.ci/run: pyproject.toml must declare "torch>=2.4.1,<2.16" (oldest and newest tested torch); update '
-         "pyproject.toml and .ci/run together\n"),
-        ('requires-python = ">=3.11"', 'requires-python = ">=3.10"',
-         '.ci/run: pyproject.toml must declare requires-python = ">=3.11" (the oldest Python tested); update '
-         "pyproject.toml and .ci/run together\n"),
+        (
+            '"torch>=2.4.1,<2.16"',
+            '"torch>=2.4.1,<2.17"',
+            '.ci/run: pyproject.toml must declare "torch>=2.4.1,<2.16" (oldest and newest tested torch); update '
+            "pyproject.toml and .ci/run together\n",
+        ),
+        (
+            'requires-python = ">=3.11"',
+            'requires-python = ">=3.10"',
+            '.ci/run: pyproject.toml must declare requires-python = ">=3.11" (the oldest Python tested); update '
+            "pyproject.toml and .ci/run together\n",
+        ),
     ],
     ids=["torch", "python"],
 )
@@ -233,17 +273,23 @@ def test_a_readme_without_the_test_command_is_refused(ci_copy):
     readme.write_text(readme.read_text().replace(TEST_COMMAND, TEST_COMMAND.replace("2.13.0", "2.12.0")))
     result = run_ci(ci_copy)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == (f".ci/run: README.md must hold the test command this script runs, on a line of its own: "
-                             f"{TEST_COMMAND}; update README.md and .ci/run together\n")
+    assert result.stderr == (
+        f".ci/run: README.md must hold the test command this script runs, on a line of its own: "
+        f"{TEST_COMMAND}; update README.md and .ci/run together\n"
+    )
 
 
 def test_a_switch_other_than_0_or_1_is_refused(ci_copy):
     result = run_ci(ci_copy, SLIM_MHA_CI_NEWEST="no")
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ".ci/run: SLIM_MHA_CI_NEWEST must be 0 (skip that step) or 1 (run it, the default), not 'no'\n"
+    assert (
+        result.stderr == ".ci/run: SLIM_MHA_CI_NEWEST must be 0 (skip that step) or 1 (run it, the default), not 'no'\n"
+    )
     result = run_ci(ci_copy, SLIM_MHA_CI_PY313="yes")
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ".ci/run: SLIM_MHA_CI_PY313 must be 0 (skip that step) or 1 (run it, the default), not 'yes'\n"
+    assert (
+        result.stderr == ".ci/run: SLIM_MHA_CI_PY313 must be 0 (skip that step) or 1 (run it, the default), not 'yes'\n"
+    )
     result = run_ci(ci_copy, SLIM_MHA_CI_KEEP_VENVS="yes")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.startswith(".ci/run: SLIM_MHA_CI_KEEP_VENVS must be 0 (delete each step's venv")
@@ -267,7 +313,10 @@ def test_each_python_step_runs_pyenv_s_newest_of_its_version(ci_copy):
     assert result.returncode == 0, result.stdout
     assert not (ci_copy / ".venv-py310").exists()
     for version in ("3.12", "3.13"):
-        assert f"py{version.replace('.', '')}  Python {version}  torch 2.13.0  ok: 7 passed, 1 skipped in 0.01s  (install " in result.stdout
+        assert (
+            f"py{version.replace('.', '')}  Python {version}  torch 2.13.0  ok: 7 passed, 1 skipped in 0.01s  (install "
+            in result.stdout
+        )
     made_by = (ci_copy / ".venv-py313" / "made-by").read_text().strip()
     assert made_by == str(ci_copy / "pyenv" / "versions" / "3.13.10" / "bin" / "python3.13")
 
@@ -285,8 +334,10 @@ def test_a_python_that_is_not_there_fails_its_step_and_names_the_switch(ci_copy)
     add_pyenv(ci_copy, "3.13.0")
     result = run_ci(ci_copy, SLIM_MHA_CI_PY312="1")
     assert result.returncode == 1
-    assert ("py312  Python 3.12  torch 2.13.0  FAILED: no Python 3.12 (pyenv's or python3.12 on PATH); install one, "
-            "or set SLIM_MHA_CI_PY312=0 to skip this step\n") in result.stdout
+    assert (
+        "py312  Python 3.12  torch 2.13.0  FAILED: no Python 3.12 (pyenv's or python3.12 on PATH); install one, "
+        "or set SLIM_MHA_CI_PY312=0 to skip this step\n"
+    ) in result.stdout
     assert result.stderr == ".ci/run: FAILED\n"
 
 
@@ -296,8 +347,11 @@ def root_log(variables: dict[str, str]) -> list[str]:
 
 @pytest.mark.parametrize("outcome", ["passed", "tests failed", "install failed"])
 def test_without_python_3_13_the_step_runs_in_a_debian_13_root_and_unmounts_it(ci_copy, debian_tools, outcome):
-    variables = {**debian_tools, "FAKE_PYTEST_RC": "1" if outcome == "tests failed" else "0",
-                 "FAKE_CHROOT_INSTALL_RC": "1" if outcome == "install failed" else "0"}
+    variables = {
+        **debian_tools,
+        "FAKE_PYTEST_RC": "1" if outcome == "tests failed" else "0",
+        "FAKE_CHROOT_INSTALL_RC": "1" if outcome == "install failed" else "0",
+    }
     result = run_ci(ci_copy, **variables)
     root = ci_copy / ".ci-debian13"
     log = root_log(variables)
@@ -348,3 +402,37 @@ def test_a_run_started_as_a_background_job_runs(ci_copy):
     result = run_ci(ci_copy, ignore_sigint=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith(".ci/run: all steps passed\n")
+
+
+_FAKE_CHECKS = """#!{bash}
+# .ci/checks: fails the checks named in $FAKE_FAILING_CHECKS, as the real one reports them.
+echo "checks ran with $PYTHON"
+if [ -n "${{FAKE_FAILING_CHECKS:-}}" ]; then
+    echo "checks: FAILED: $FAKE_FAILING_CHECKS"
+    exit 1
+fi
+echo "checks: lint, format, types and build passed"
+"""
+
+
+@pytest.mark.parametrize("failing", ["", "lint types"])
+def test_the_checks_run_before_the_tests_and_a_failed_check_fails_the_run_by_name(ci_copy, failing):
+    (ci_copy / ".ci" / "checks").write_text(_FAKE_CHECKS.format(bash=shutil.which("bash")))
+    result = run_ci(ci_copy, SLIM_MHA_CI_CHECKS="1", FAKE_FAILING_CHECKS=failing)
+    assert "checks ran with .venv/bin/python" in result.stdout
+    assert result.stdout.index("step 'checks'") < result.stdout.index("step 'local'")  # before the test rows
+    if failing:
+        assert result.returncode == 1
+        assert "checks  checks: FAILED: lint types  (see .ci-logs/checks.log)" in result.stdout
+    else:
+        assert result.returncode == 0, result.stdout
+        assert re.search(r"checks  ok: lint, format, types, build  \(\d+ s\)", result.stdout)
+
+
+def test_the_real_checks_script_names_every_check_it_runs():
+    """.ci/checks runs each check and names it; the tools it calls are the dev extra's."""
+    text = (ROOT / ".ci" / "checks").read_text()
+    for command in ("-m ruff check", "-m ruff format --check", "-m mypy", "-m build", "-m twine check"):
+        assert command in text
+    dev = re.search(r'^dev = \[(.*)\]$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert dev and all(f'"{tool}==' in dev.group(1) for tool in ("ruff", "mypy", "build", "twine"))

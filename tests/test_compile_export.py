@@ -14,10 +14,11 @@ import itertools
 import pytest
 import torch
 import torch._dynamo
-from _reference import STOCK_MHA, TOLERANCE, assert_close_scaled, randomize_parameters
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention, convert, patched
+
+from _reference import STOCK_MHA, TOLERANCE, assert_close_scaled, randomize_parameters
 
 E, H, FF = 16, 4, 32
 BATCH, LENGTH = 3, 7

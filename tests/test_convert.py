@@ -7,13 +7,14 @@ import itertools
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention, convert, fold_value_bias, patched, to_stock
 from slim_mha._swap import FOLDED_VALUE_BIAS, SLIM_ATTRIBUTES, has_folded_value_bias
 from slim_mha.attention import slim_options
 from slim_mha.patching import PatchedMultiheadAttention
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 E, H = 8, 2
 CONFIGS = [
@@ -215,7 +216,9 @@ def test_fold_value_bias_keeps_the_eval_function(config):
     inputs = attention_inputs(stock)
     slim = convert(copy.deepcopy(stock))
     assert fold_value_bias(slim) is slim
-    assert has_folded_value_bias(slim) and torch.equal(slim.in_proj_bias[2 * E :], torch.zeros_like(slim.in_proj_bias[:E]))
+    assert has_folded_value_bias(slim) and torch.equal(
+        slim.in_proj_bias[2 * E :], torch.zeros_like(slim.in_proj_bias[:E])
+    )
     assert list(slim.state_dict()) == list(stock.state_dict())
     assert_same_function(slim, stock, inputs)
     with pytest.raises(ValueError) as refused:
@@ -241,9 +244,14 @@ def test_a_folded_module_refuses_a_query_row_masked_from_every_key():
     closed_row[3] = True
     with torch.no_grad():
         for mask in (open_mask, torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)):
-            assert_close_scaled(slim(x, x, x, attn_mask=mask, need_weights=False)[0],
-                                stock(x, x, x, attn_mask=mask, need_weights=False)[0], "folded, masked")
-        with pytest.raises(RuntimeError, match="a query row is masked from every key, and this module's value bias was folded"):
+            assert_close_scaled(
+                slim(x, x, x, attn_mask=mask, need_weights=False)[0],
+                stock(x, x, x, attn_mask=mask, need_weights=False)[0],
+                "folded, masked",
+            )
+        with pytest.raises(
+            RuntimeError, match="a query row is masked from every key, and this module's value bias was folded"
+        ):
             slim(x, x, x, attn_mask=closed_row, need_weights=False)
         padding = torch.zeros(2, 5, dtype=torch.bool)
         padding[1] = True  # an empty set: sample 1 has no valid key at all

@@ -125,7 +125,7 @@ def test_no_import_cycles_counting_imports_inside_functions():
             # A package's __init__ is imported by its submodules' import: a submodule importing its own
             # package is not a cycle unless the package imports it back, which the walk sees.
             if state.get(target) == 1:
-                cycle = stack[stack.index(target):] + [target]
+                cycle = stack[stack.index(target) :] + [target]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if state.get(target) is None:
                 visit(target)
@@ -141,8 +141,8 @@ def test_every_package_folder_is_listed_for_the_wheel():
     """pyproject.toml lists packages by hand: a folder left off would install from a checkout and be
     missing from the wheel users install."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {
-        ".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "slim_mha").rglob("__init__.py")
-    } | {"slim_mha.migration" for path in (ROOT / "migration").glob("__init__.py")}
+    folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "slim_mha").rglob("__init__.py")} | {
+        "slim_mha.migration" for path in (ROOT / "migration").glob("__init__.py")
+    }
     assert set(setuptools["packages"]) == folders
     assert setuptools["package-dir"] == {"slim_mha.migration": "migration"}

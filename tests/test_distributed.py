@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _reference import STOCK_MHA, assert_close_scaled
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from slim_mha import to_stock
+
+from _reference import STOCK_MHA, assert_close_scaled
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120

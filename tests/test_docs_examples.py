@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from slim_mha.migration.cli import main as migrate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -112,7 +112,13 @@ def call_inputs(mask: str, length: int, batch_first: bool = True) -> tuple[Tenso
 def hooks(layer: nn.Module, where: str, seen: list) -> None:
     def record(module, args, output=None):
         value = output[0] if isinstance(output, tuple) else (output if output is not None else args[0])
-        seen.append((type(module).__name__, value.is_nested, tuple(value.to_padded_tensor(0.0).shape if value.is_nested else value.shape)))
+        seen.append(
+            (
+                type(module).__name__,
+                value.is_nested,
+                tuple(value.to_padded_tensor(0.0).shape if value.is_nested else value.shape),
+            )
+        )
 
     if where == "attention":
         layer.self_attn.register_forward_hook(record)
@@ -174,7 +180,16 @@ class _context:
             self.layer.eval()
 
 
-VARIANTS = ["plain", "sequence first", "norm first", "odd heads", "no bias", "other activation", "other eps", "gated subclass"]
+VARIANTS = [
+    "plain",
+    "sequence first",
+    "norm first",
+    "odd heads",
+    "no bias",
+    "other activation",
+    "other eps",
+    "gated subclass",
+]
 MASKS = ["none", "padding", "nested", "causal mask", "causal hint alone", "wrong padding", "wrong attention mask"]
 CONTEXTS = ["no_grad", "inference_mode", "grad", "autocast", "fastpath off", "training"]
 HOOKS = ["none", "attention", "pre-hook on linear1", "layer"]
@@ -185,13 +200,20 @@ SWEEP = sorted(
     | {("plain", m, c, "none") for m in MASKS for c in CONTEXTS}
     | {("plain", m, "no_grad", h) for m in MASKS for h in HOOKS}
     | {("gated subclass", m, c, "none") for m in ("causal hint alone", "padding") for c in ("no_grad", "autocast")}
-    | {("norm first", m, c, h) for m in ("nested", "padding") for c in ("no_grad", "autocast") for h in ("none", "attention")}
+    | {
+        ("norm first", m, c, h)
+        for m in ("nested", "padding")
+        for c in ("no_grad", "autocast")
+        for h in ("none", "attention")
+    }
 )
 
 
 @pytest.mark.parametrize("length", [SHORT, LONG])
 @pytest.mark.parametrize("variant,mask,context,hook", SWEEP)
-def test_slims_layer_fuses_where_stock_does_and_gives_what_stock_gives(variant, mask, context, hook, length, fused_calls):
+def test_slims_layer_fuses_where_stock_does_and_gives_what_stock_gives(
+    variant, mask, context, hook, length, fused_calls
+):
     stock, slim = layer_pair(variant)
     if mask == "nested" and (variant == "sequence first"):
         pytest.skip("nn.TransformerEncoder nests batch-first calls only")
@@ -232,9 +254,12 @@ def test_the_sweep_reaches_both_sides_of_the_rule(fused_calls):
             x, masks = call_inputs(mask, length)
             taken[mask, length] = encoder_layer.layer_path(slim, x, None, masks.get("src_key_padding_mask"))[0]
     assert taken == {
-        ("none", SHORT): "stock fused layer", ("none", LONG): "slim layer",
-        ("padding", SHORT): "stock fused layer", ("padding", LONG): "slim layer",
-        ("nested", SHORT): "stock fused layer", ("nested", LONG): "slim layer",
+        ("none", SHORT): "stock fused layer",
+        ("none", LONG): "slim layer",
+        ("padding", SHORT): "stock fused layer",
+        ("padding", LONG): "slim layer",
+        ("nested", SHORT): "stock fused layer",
+        ("nested", LONG): "slim layer",
     }
 
 
@@ -312,7 +337,10 @@ def test_under_cpu_autocast_the_layer_gives_stocks_dtype_at_every_length(length)
     stock, slim = layer_pair("plain")
     for mask in ("none", "padding"):
         x, masks = call_inputs(mask, length)
-        (expected, stock_out), (actual, slim_out) = outcome(stock, x, masks, "autocast"), outcome(slim, x, masks, "autocast")
+        (expected, stock_out), (actual, slim_out) = (
+            outcome(stock, x, masks, "autocast"),
+            outcome(slim, x, masks, "autocast"),
+        )
         assert actual == expected
         if stock_out is not None:
             assert slim_out.dtype == torch.bfloat16
@@ -353,7 +381,10 @@ def test_the_attention_raises_stocks_exception_type_for_a_wrong_padding_mask(bat
 def doubled_layer_class(base: type) -> type:
     class Doubled(base):
         def forward(
-            self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
+            self,
+            src: Tensor,
+            src_mask: Optional[Tensor] = None,
+            src_key_padding_mask: Optional[Tensor] = None,
             is_causal: bool = False,
         ) -> Tensor:
             return 2.0 * self.norm1(src)
@@ -364,8 +395,14 @@ def doubled_layer_class(base: type) -> type:
 def halved_attention_class(base: type) -> type:
     class Halved(base):
         def forward(
-            self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
-            need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+            self,
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            key_padding_mask: Optional[Tensor] = None,
+            need_weights: bool = True,
+            attn_mask: Optional[Tensor] = None,
+            average_attn_weights: bool = True,
             is_causal: bool = False,
         ) -> Tuple[Tensor, Optional[Tensor]]:
             return 0.5 * self.out_proj(query), None
@@ -384,7 +421,9 @@ def test_scripting_a_subclass_compiles_the_users_methods(kind):
     with slim_mha.patched():
         slim_cls = make(nn.TransformerEncoderLayer if kind == "layer" else nn.MultiheadAttention)
         module = slim_cls(E, H, batch_first=True).eval()
-    assert isinstance(module, slim_mha.SlimMultiheadAttention if kind == "attention" else encoder_layer.SlimTransformerEncoderLayer)
+    assert isinstance(
+        module, slim_mha.SlimMultiheadAttention if kind == "attention" else encoder_layer.SlimTransformerEncoderLayer
+    )
     x = torch.randn(B, 5, E)
     with torch.no_grad():
         eager = module(x) if kind == "layer" else module(x, x, x)[0]
@@ -407,7 +446,9 @@ def test_scripting_leaves_the_eager_model_as_it_was(how):
         if how == "patched":
             plain = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, batch_first=True), 2).eval()
     if how == "converted":
-        plain = slim_mha.convert(nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, batch_first=True), 2).eval())
+        plain = slim_mha.convert(
+            nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, batch_first=True), 2).eval()
+        )
     for tree in (model, plain):
         classes, parameters = _classes(tree), list(tree.parameters())
         x = torch.randn(B, 5, E)
@@ -449,8 +490,8 @@ def test_a_subclass_that_cannot_be_rebuilt_on_stock_names_its_class():
         class Picky(nn.MultiheadAttention, Once):
             pass
 
-    from slim_mha._swap import stock_counterpart
+    from slim_mha._swap import _counterpart_of
 
     with warnings.catch_warnings(), pytest.raises(TypeError, match="Picky"):
         warnings.simplefilter("ignore")
-        stock_counterpart.__wrapped__(Picky)
+        _counterpart_of(Picky)  # uncached: the class is rebuilt here

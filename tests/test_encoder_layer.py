@@ -15,13 +15,14 @@ import warnings
 
 import pytest
 import torch
-from _reference import assert_module_matches_stock, randomize_parameters
 from torch import nn
 
 import slim_mha
 from slim_mha import encoder_layer
 from slim_mha._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from slim_mha.encoder_layer import SlimTransformerEncoderLayer, layer_path
+
+from _reference import assert_module_matches_stock, randomize_parameters
 
 E, H, FF, B = 16, 4, 32, 3
 
@@ -225,8 +226,26 @@ def test_the_encoder_benchmark_runs_and_records_each_path(tmp_path, capsys):
     from slim_mha.bench import __main__ as bench
 
     path = tmp_path / "encoder.json"
-    assert bench.main(["encoder", "--length", "8", "--length", "400", "--repeats", "1", "--warmup", "0",
-                       "--min-sample-ms", "0", "--json", str(path)]) == 0
+    assert (
+        bench.main(
+            [
+                "encoder",
+                "--length",
+                "8",
+                "--length",
+                "400",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--min-sample-ms",
+                "0",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     import json
 
     results = json.loads(path.read_text())["results"]

@@ -170,7 +170,12 @@ def test_tuple_and_dict_outputs():
 
     result = assert_permutation_equivariant(stats, tokens(B, N, D), dim=1, output_dim=(1, None, None, None))
     # the count and None are compared too, by equality
-    assert [output.name for output in result.outputs] == ["output[0]", "output[1]['total']", "output[1]['count']", "output[2]"]
+    assert [output.name for output in result.outputs] == [
+        "output[0]",
+        "output[1]['total']",
+        "output[1]['count']",
+        "output[2]",
+    ]
     assert [output.error.dims for output in result.outputs] == [(1,), (), (), ()]
 
 
@@ -349,10 +354,14 @@ def test_a_break_between_submodules_is_blamed_on_the_forward_code():
     assert caught.value.module_name == ""  # the checked module's own code, not 'after' that receives it
     assert "the break is in the code in `InlinePositions.forward` before `before`" not in message
     line = _line_of(InlinePositions.forward, "return self.after(")
-    assert f"the break is in the code in `InlinePositions.forward` between `before` (call 1) and `after` (call 1) (" \
+    assert (
+        f"the break is in the code in `InlinePositions.forward` between `before` (call 1) and `after` (call 1) ("
         f"{_path()}, line {line})" in message
-    assert "    'after' (Linear, call 1) receives an input that is neither unchanged nor permuted along its token " \
+    )
+    assert (
+        "    'after' (Linear, call 1) receives an input that is neither unchanged nor permuted along its token "
         "axes, after 1 submodule call that kept it: its input (2, 6, 5), closest reading" in message
+    )
     assert "first submodule" not in message
 
 
@@ -499,8 +508,10 @@ def test_a_submodule_whose_own_code_breaks_it_after_its_submodules_is_named_with
     assert caught.value.module_name == "1"
     line = _line_of(BrokenOutputOnly.forward, "return self.layer(x)")
     assert "'1' (BrokenOutputOnly, call 1), after 2 submodule calls that kept it" in str(caught.value)
-    assert (f"    its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
-            f"`1.layer` (call 1) ({_path()}, line {line})") in str(caught.value)
+    assert (
+        f"    its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
+        f"`1.layer` (call 1) ({_path()}, line {line})"
+    ) in str(caught.value)
 
 
 class SharedLayer(nn.Module):
@@ -531,8 +542,10 @@ def test_a_bound_method_of_a_module_is_searched_and_module_can_be_given():
     with pytest.raises(EquivarianceError) as caught:
         assert_permutation_equivariant(lambda x: model(x), tokens(B, N, D), module=model)
     assert "'BrokenOutputOnly' (BrokenOutputOnly, call 1), after 1 submodule call that kept it" in str(caught.value)
-    assert (f"its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
-            f"`layer` (call 1) ({_path()}, line {line})") in str(caught.value)
+    assert (
+        f"its own submodule calls kept it: the break is in the code in `BrokenOutputOnly.forward` after "
+        f"`layer` (call 1) ({_path()}, line {line})"
+    ) in str(caught.value)
     assert caught.value.module_name == ""
 
 

@@ -61,7 +61,9 @@ def test_a_call_with_no_tensor_the_check_can_find_warns_once():
 
     model = nn.Module()
     model.forward = lambda data: data.x * 2  # noqa: E731
-    with pytest.warns(UserWarning, match=r"call 1 of Module has no tensor input the check can find \(its inputs: Opaque\)"):
+    with pytest.warns(
+        UserWarning, match=r"call 1 of Module has no tensor input the check can find \(its inputs: Opaque\)"
+    ):
         with checking_equivariance(model, dim=1):
             model(Opaque(torch.randn(B, N, D)))
             with warnings.catch_warnings():
@@ -233,8 +235,11 @@ class PerGraph(nn.Module):
 def test_graph_batches_are_permuted_within_each_graph():
     model = PerGraph()
     x, batch = _graph_batch()
-    with pytest.raises(RuntimeError, match=r"checking_equivariance\(PerGraph, dim=0\): call 1 of PerGraph failed "
-                                           r"when the check ran it again on its inputs permuted: .*batch must be sorted"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"checking_equivariance\(PerGraph, dim=0\): call 1 of PerGraph failed "
+        r"when the check ran it again on its inputs permuted: .*batch must be sorted",
+    ):
         with checking_equivariance(model, dim=0):
             model(x, batch)
 

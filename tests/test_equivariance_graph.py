@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 import slim_mha
@@ -22,6 +21,8 @@ from slim_mha import (
     assert_permutation_equivariant,
     checking_equivariance,
 )
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 pytest.importorskip("torch_geometric")
 from torch_geometric.nn import GINConv, GPSConv  # noqa: E402

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _reference import attention_tokens
 from torch import nn
 
 from slim_mha import EquivarianceError, SlimMultiheadAttention, checking_equivariance
-from slim_mha._stock_checks import AttentionCall
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, WEIGHTS, appended_options
+from slim_mha._stock_checks import AttentionCall
 from slim_mha.equivariance import ENVIRONMENT_VARIABLE, TOLERANCE, _mode
 from slim_mha.equivariance._measure import draw_permutation
+
+from _reference import attention_tokens
 
 E, H, KDIM, VDIM = 16, 4, 10, 12
 L_TGT, S_SRC, BATCH = 5, 7, 3
@@ -176,10 +177,7 @@ def random_case(rng: random.Random, seed: int, dtype: torch.dtype = torch.float6
     )
 
 
-SWEEP = [
-    random_case(random.Random(index), index, (torch.float64, torch.float32)[index % 2])
-    for index in range(24)
-]
+SWEEP = [random_case(random.Random(index), index, (torch.float64, torch.float32)[index % 2]) for index in range(24)]
 TARGETED = [
     Case(),
     Case(kind="self", batch_first=False),
@@ -418,8 +416,9 @@ def test_a_bad_environment_value_fails_no_import_and_no_cli():
         """
     )
     environment = {**os.environ, ENVIRONMENT_VARIABLE: "yes2"}
-    completed = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
-                               timeout=300)
+    completed = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300
+    )
     assert completed.returncode == 0, completed.stderr
     assert re.fullmatch(ACCEPTED.replace("$", ""), completed.stdout.strip())
 
@@ -599,8 +598,10 @@ def test_a_causal_call_with_a_mask_is_checked_with_the_mask_following_the_tokens
 def test_a_causal_call_reports_its_hint():
     with pytest.raises(EquivarianceError) as caught:
         build(Case(kind="self"), PositionalBias, check_equivariance=True)(**causal_inputs(Case(kind="self")))
-    assert "is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal one shows up " \
+    assert (
+        "is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal one shows up "
         "here as a break)" in str(caught.value)
+    )
 
 
 def test_a_hint_that_does_not_match_the_mask_is_caught():
@@ -621,8 +622,11 @@ def test_is_causal_without_a_mask_has_nothing_to_permute():
         module(**{**inputs, "is_causal": True})
     query = inputs["query"]
     result = module(query, query, query, need_weights=False)
-    with pytest.raises(EquivarianceError, match=r"is_causal=True and no attn_mask, which is order-dependent by "
-                                                r"construction .* Pass the causal mask as attn_mask"):
+    with pytest.raises(
+        EquivarianceError,
+        match=r"is_causal=True and no attn_mask, which is order-dependent by "
+        r"construction .* Pass the causal mask as attn_mask",
+    ):
         _mode.check_call(module, result, AttentionCall(query, query, query, None, False, None, True, True))
 
 

@@ -151,8 +151,10 @@ def test_a_position_table_added_inline_is_caught_and_named_by_its_lines(measured
         "checking_equivariance(SetModel, dim=1): call 1 of the model, run again on its inputs and on them permuted "
         "(both runs under no_grad, without dropout):\nSetModel is not permutation-equivariant: 1 of 1 outputs broke"
     )
-    assert (f"the break is in the code in `SetModel.forward` between `embed` (call 1) and `attention` (call 1) "
-            f"({_path()}, lines {first}-{last})") in message
+    assert (
+        f"the break is in the code in `SetModel.forward` between `embed` (call 1) and `attention` (call 1) "
+        f"({_path()}, lines {first}-{last})"
+    ) in message
     assert f"permutation (seed {caught.value.seed}, {N} tokens): " in message and "; permuted: x on dim 1" in message
     assert caught.value.module_name == ""
     assert caught.value.result.culprit().kind == "code"
@@ -179,8 +181,10 @@ def test_an_attention_subclass_adding_positions_to_q_and_k_is_blamed_on_its_forw
     first, last = code[1], code[1] + len(code[0]) - 1
     assert caught.value.module_name == "attention"
     assert "'attention' (PositionalAttention, call 1), after 1 submodule call that kept it" in str(caught.value)
-    assert (f"it calls no submodule: the break is in its own code, `PositionalAttention.forward` "
-            f"({_path()}, lines {first}-{last})") in str(caught.value)
+    assert (
+        f"it calls no submodule: the break is in its own code, `PositionalAttention.forward` "
+        f"({_path()}, lines {first}-{last})"
+    ) in str(caught.value)
 
 
 def test_blame_through_a_lambda_names_the_module_whose_code_breaks_it():
@@ -205,8 +209,10 @@ def test_linformer_fails_naming_its_sequence_projection_and_passes_with_full_att
     with pytest.raises(EquivarianceError) as caught, checking_equivariance(model, dim=1):
         model(x).sum().backward()  # train mode: its dropout layers are off for the comparison
     assert caught.value.module_name == "seq.0.fn.heads.0.E"
-    assert "first submodule, in execution order, whose output is neither unchanged nor permuted along its token " \
-           "axes: 'seq.0.fn.heads.0.E' (Linear, call 1)" in str(caught.value)
+    assert (
+        "first submodule, in execution order, whose output is neither unchanged nor permuted along its token "
+        "axes: 'seq.0.fn.heads.0.E' (Linear, call 1)" in str(caught.value)
+    )
 
     torch.manual_seed(0)
     full = linformer.Linformer(input_size=N * 2, channels=D, dim_k=4, nhead=HEADS, depth=2, full_attention=True)
@@ -221,7 +227,9 @@ def test_attention_pooling_with_learned_queries_passes_as_invariant_and_fails_as
     with checking_equivariance(model, dim=1, invariant=True):
         model(x)
     model = Pooling(seeds=N)  # as many queries as tokens, so that "permuted along dim 1" is a reading
-    with pytest.raises(EquivarianceError, match=r"expected permuted along dim 1: BROKEN.*\n    it is unchanged instead"):
+    with pytest.raises(
+        EquivarianceError, match=r"expected permuted along dim 1: BROKEN.*\n    it is unchanged instead"
+    ):
         with checking_equivariance(model, dim=1):
             model(x)
 
@@ -283,7 +291,9 @@ class Everything(nn.Module):
         h = F.dropout(h, 0.3, self.training)  # functional dropout, in the module's own code
         h = h + self.attention(h, h, h, need_weights=False)[0]
         q = k = v = h.view(B, N, HEADS, D // HEADS).transpose(1, 2)  # (B, H, N, D/H)
-        h = h + F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0).transpose(1, 2).reshape(B, N, D)
+        h = h + F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0).transpose(
+            1, 2
+        ).reshape(B, N, D)
         return self.dropout(h)
 
 
@@ -459,8 +469,9 @@ def test_scopes_are_local_to_their_thread(measured):
             model(x)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning",
-                            "ignore:There is a performance drop")
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning", "ignore:There is a performance drop"
+)
 def test_compile_trace_and_vmap_skip_the_check(measured):
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -506,8 +517,11 @@ def test_bad_options_raise_before_the_block(options, message):
 def test_inputs_that_do_not_fit_dim_say_which_call_and_input():
     torch.manual_seed(0)
     model = SetModel()
-    with pytest.raises(ValueError, match=r"checking_equivariance\(SetModel, dim=\{'y': 1\}\): call 1 of SetModel "
-                                         r"has no input 'y'; its inputs are \['x'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"checking_equivariance\(SetModel, dim=\{'y': 1\}\): call 1 of SetModel "
+        r"has no input 'y'; its inputs are \['x'\]",
+    ):
         with checking_equivariance(model, dim={"y": 1}):
             model(torch.randn(B, N, D))
 
@@ -516,8 +530,11 @@ def test_inputs_that_do_not_fit_dim_say_which_call_and_input():
             return x.sum(dim=1) + index.sum()
 
     indexed = Indexed()
-    with pytest.raises(ValueError, match=r"call 1 of Indexed: input 1 \(2, 3\) int64 is read as token indices \(an integer "
-                                         r"tensor without 6 tokens along the permuted axis\).* from 0 to 40, outside 0..5"):
+    with pytest.raises(
+        ValueError,
+        match=r"call 1 of Indexed: input 1 \(2, 3\) int64 is read as token indices \(an integer "
+        r"tensor without 6 tokens along the permuted axis\).* from 0 to 40, outside 0..5",
+    ):
         with checking_equivariance(indexed, dim=1, invariant=True):
             indexed(torch.randn(B, N, D), torch.tensor([[0, 1, 40], [2, 3, 4]]))
 

@@ -32,7 +32,9 @@ class SetBlock(nn.Module):
         super().__init__()
         self.embed = nn.Linear(3, WIDTH)
         self.attention = slim_mha.SlimMultiheadAttention(WIDTH, HEADS, batch_first=True)
-        self.mlp = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)
+        )
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:  # (B, N, 3) -> (B, N, WIDTH)
         h = self.embed(xyz)
@@ -58,15 +60,15 @@ def measure(points: int) -> dict:
 @pytest.mark.slow  # two attention passes over 50k points: minutes on a loaded 2-core machine
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_a_point_cloud_set_block_of_50k_points_is_checked_in_bounded_memory():
-    completed = subprocess.run(
-        [sys.executable, __file__, str(POINTS)], capture_output=True, text=True, timeout=1800
-    )
+    completed = subprocess.run([sys.executable, __file__, str(POINTS)], capture_output=True, text=True, timeout=1800)
     assert completed.returncode == 0, completed.stderr
     measured = json.loads(completed.stdout.strip().splitlines()[-1])
     one_head_of_scores = POINTS**2 * 4  # float32 (N, N): 9.3 GiB
     assert measured["peak_growth"] < one_head_of_scores / 16, measured  # measured: ~0.1 GiB
     assert measured["max_rel"] < 1e-4  # it passed, within float32's tolerance
-    print(f"\n{POINTS} points: checked in {measured['seconds']:.1f} s, peak RSS +{measured['peak_growth'] / 2**20:.0f} MiB")
+    print(
+        f"\n{POINTS} points: checked in {measured['seconds']:.1f} s, peak RSS +{measured['peak_growth'] / 2**20:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

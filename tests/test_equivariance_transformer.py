@@ -39,8 +39,9 @@ def checked(record_checks) -> list:
 
 def build_transformer(how: str) -> nn.Transformer:
     torch.manual_seed(0)
-    options = dict(num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FEEDFORWARD, dropout=0.1,
-                   batch_first=True)
+    options = dict(
+        num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=FEEDFORWARD, dropout=0.1, batch_first=True
+    )
     if how == "patched":
         with slim_mha.patched():
             return nn.Transformer(D_MODEL, HEADS, **options)

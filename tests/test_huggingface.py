@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from slim_mha.migration.cli import main as migrate
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention
+from slim_mha.migration.cli import main as migrate
 from tests._reference import assert_close_scaled
 
 transformers = pytest.importorskip("transformers")

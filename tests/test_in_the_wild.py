@@ -188,8 +188,15 @@ def test_open_clip_style_low_precision_conversion(dtype):
     def to_low_precision(model):
         for module in model.modules():
             if isinstance(module, nn.MultiheadAttention):
-                for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                             "in_proj_bias", "bias_k", "bias_v"):
+                for name in (
+                    "in_proj_weight",
+                    "q_proj_weight",
+                    "k_proj_weight",
+                    "v_proj_weight",
+                    "in_proj_bias",
+                    "bias_k",
+                    "bias_v",
+                ):
                     tensor = getattr(module, name)
                     if tensor is not None:
                         tensor.data = tensor.data.to(dtype)

@@ -21,9 +21,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors
 
 def encoders(*, nested: bool) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    stock = nn.TransformerEncoder(STOCK_ENCODER_LAYER(E, H, FF, dropout=0.1, batch_first=True), 2, enable_nested_tensor=nested)
+    stock = nn.TransformerEncoder(
+        STOCK_ENCODER_LAYER(E, H, FF, dropout=0.1, batch_first=True), 2, enable_nested_tensor=nested
+    )
     with slim_mha.patched():
-        slim = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, dropout=0.1, batch_first=True), 2, enable_nested_tensor=nested)
+        slim = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(E, H, FF, dropout=0.1, batch_first=True), 2, enable_nested_tensor=nested
+        )
     slim.load_state_dict(stock.state_dict())
     return stock.eval(), slim.eval()
 
@@ -72,8 +76,16 @@ def test_an_encoders_maps_are_stocks_weights_and_its_outputs_do_not_change(per_h
             assert torch.count_nonzero(recorded.masked_select(rows.expand_as(recorded))) == 0
             reference = reference.masked_fill(rows, 0.0)
         torch.testing.assert_close(recorded, reference, rtol=1e-5, atol=1e-6)
-        assert torch.count_nonzero(recorded.masked_select(padding[:, None, None, :].expand(B, H, length, length)
-                                                            if per_head else padding[:, None, :].expand(B, length, length))) == 0
+        assert (
+            torch.count_nonzero(
+                recorded.masked_select(
+                    padding[:, None, None, :].expand(B, H, length, length)
+                    if per_head
+                    else padding[:, None, :].expand(B, length, length)
+                )
+            )
+            == 0
+        )
 
 
 @pytest.mark.parametrize("how", ["patched", "converted", "imported"])
@@ -140,7 +152,10 @@ def test_no_state_is_left_after_a_block_that_raised_and_blocks_nest():
 
 def test_a_stock_model_is_refused_with_the_fix():
     stock, _ = encoders(nested=False)
-    for entry in (lambda: slim_mha.recording_attention(stock).__enter__(), lambda: slim_mha.explain(stock, torch.randn(1, 4, E))):
+    for entry in (
+        lambda: slim_mha.recording_attention(stock).__enter__(),
+        lambda: slim_mha.explain(stock, torch.randn(1, 4, E)),
+    ):
         with pytest.raises(ValueError, match=r"holds no slim attention module.*patch\(\).*convert\(model\)"):
             entry()
     assert inspection.RECORDING == []
@@ -153,7 +168,9 @@ def test_maps_too_large_are_refused_before_they_are_allocated_naming_the_module(
     monkeypatch.setattr(_memory_guard, "available_bytes", lambda device: (1 << 20, "a test's limit"))
     monkeypatch.setattr(_memory_guard, "_CHECK_ABOVE_BYTES", 0)  # every size is checked
     x, _ = padded_batch(400)
-    with pytest.raises(torch.OutOfMemoryError, match=r"recording_attention: module layers\.0\.self_attn: .* need at least"):
+    with pytest.raises(
+        torch.OutOfMemoryError, match=r"recording_attention: module layers\.0\.self_attn: .* need at least"
+    ):
         with torch.no_grad(), slim_mha.recording_attention(slim):
             slim(x)
     assert inspection.RECORDING == []
@@ -184,8 +201,8 @@ def test_explain_agrees_with_the_one_owner_of_the_choice():
     """Every row is choose_path's or layer_path's own answer for that call."""
     slim = slim_mha.SlimMultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(2, 8, E)
-    from slim_mha.paths import choose_path
     from slim_mha._stock_checks import AttentionCall
+    from slim_mha.paths import choose_path
 
     with torch.no_grad():
         (row,) = slim_mha.explain(slim, x, x, x)
@@ -201,11 +218,16 @@ def test_a_torchvision_vit_gives_stocks_weights_for_attention_rollout(model):
     if model == "vit_b_16":  # built from its config: no weights are downloaded
         stock, images = models.vit_b_16().eval(), torch.randn(1, 3, 224, 224)
     else:
-        stock = models.VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=32, mlp_dim=64)
+        stock = models.VisionTransformer(
+            image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=32, mlp_dim=64
+        )
         stock, images = stock.eval(), torch.randn(2, 3, 32, 32)
     slim = slim_mha.convert(copy.deepcopy(stock))
     inputs = []
-    hooks = [block.self_attention.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for block in stock.encoder.layers]
+    hooks = [
+        block.self_attention.register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+        for block in stock.encoder.layers
+    ]
     with torch.no_grad():
         expected_out = stock(images)
     for hook in hooks:
@@ -214,6 +236,6 @@ def test_a_torchvision_vit_gives_stocks_weights_for_attention_rollout(model):
         with torch.no_grad(), slim_mha.recording_attention(slim, per_head=per_head) as maps:
             torch.testing.assert_close(slim(images), expected_out, rtol=1e-5, atol=1e-5)
         assert len(maps) == len(stock.encoder.layers) == (12 if model == "vit_b_16" else 3)
-        for (name, (recorded,)), block, x in zip(maps.items(), stock.encoder.layers, inputs):
+        for (recorded,), block, x in zip(maps.values(), stock.encoder.layers, inputs):
             reference = block.self_attention(x, x, x, average_attn_weights=not per_head)[1]
             torch.testing.assert_close(recorded, reference, rtol=1e-5, atol=1e-6)

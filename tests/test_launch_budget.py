@@ -17,10 +17,11 @@ import warnings
 
 import pytest
 import torch
-from _reference import STOCK_MHA, randomize_parameters
 from torch.profiler import ProfilerActivity, profile
 
 from slim_mha import SlimMultiheadAttention
+
+from _reference import STOCK_MHA, randomize_parameters
 
 BATCH, LENGTH, EMBED = 2, 16, 64
 # Ops slim may dispatch above stock's Python path. Measured: 16 in training with weights (about 18 on
@@ -78,10 +79,14 @@ def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch, slims_own_pa
     def head_by_head(q, k, v, mask, dropout_p, average, q_scaled=False, symbolic=False):
         if q_scaled:  # stock's head split scaled the queries already
             q = q * (q.shape[-1] ** 0.5)
-        outs, weights = zip(*(
-            explicit._attention_functional(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], mask, dropout_p, False)
-            for h in range(q.shape[1])
-        ))
+        outs, weights = zip(
+            *(
+                explicit._attention_functional(
+                    q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], mask, dropout_p, False
+                )
+                for h in range(q.shape[1])
+            )
+        )
         weights = torch.cat(weights, dim=1)
         return torch.cat(outs, dim=1), weights.mean(dim=1) if average else weights
 

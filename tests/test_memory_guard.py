@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
 from slim_mha import _memory_guard as guard
 from slim_mha._explicit_attention import plan_weights_path
 from slim_mha.bench.measure.memory import profile_step
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 EMBED_DIM = 8
 # What the estimate leaves out at these sizes: the projections, the output and the bias, a few
@@ -144,12 +145,14 @@ def test_averaged_weights_go_in_blocks_one_byte_below_one_pass_and_are_refused_b
     monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
     blocks = []
     run_in_blocks = explicit._attention_averaged_in_blocks
-    monkeypatch.setattr(explicit, "_attention_averaged_in_blocks", lambda *a, **kw: blocks.append(a[4]) or run_in_blocks(*a, **kw))
+    monkeypatch.setattr(
+        explicit, "_attention_averaged_in_blocks", lambda *a, **kw: blocks.append(a[4]) or run_in_blocks(*a, **kw)
+    )
     with torch.no_grad():
         expected = stock(x, x, x)
         # One byte short of 12 MB: half of it less the 4 MB average leaves 166 rows of 12 KB: 7 blocks of 143.
         for limit, rows in ((one_pass, None), (one_pass - 1, 143), (averaged + one_row, 1)):
-            monkeypatch.setattr(guard, "available_bytes", lambda device: (limit, "the test's limit"))
+            monkeypatch.setattr(guard, "available_bytes", lambda device, limit=limit: (limit, "the test's limit"))
             out, weights = slim(x, x, x)
             assert blocks[-1:] == ([] if rows is None else [rows]), limit
             assert_close_scaled(out, expected[0])

@@ -6,6 +6,20 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias, zero_key_bias
+from slim_mha.migration import (
+    FORMAT_VERSION,
+    fold_checkpoint,
+    format_report,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+
 from _migration_checkpoints import (
     STOCK_MHA,
     attention_inputs,
@@ -19,19 +33,6 @@ from _migration_checkpoints import (
 )
 from _migration_helpers import private_ledger, reads_pickles  # noqa: F401 (private_ledger: autouse)
 from _reference import assert_close_scaled
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from slim_mha.migration import (
-    FORMAT_VERSION,
-    fold_checkpoint,
-    format_report,
-    inspect_checkpoint,
-    strip_checkpoint,
-    to_stock_checkpoint,
-)
-
-from slim_mha import SlimMultiheadAttention
-from slim_mha.bias import BIAS_NAMES, SlimBiases, unfold_key_bias, zero_key_bias
 
 # Every configuration stock accepts; ids name them.
 CONFIGS = {
@@ -81,10 +82,13 @@ def zero_attn_marks(config) -> list[str]:
 def test_fold_loads_into_stock_and_slim_with_the_original_outputs(tmp_path, config):
     stock = stock_attention(**config)
     # A plain module beside it: a lone add_zero_attn module has nothing to fold, and the run says so.
-    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors")
+    save_file(
+        {**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors"
+    )
 
-    fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "folded.safetensors",
-                    zero_attn=zero_attn_marks(config), verify=True)
+    fold_checkpoint(
+        tmp_path / "stock.safetensors", tmp_path / "folded.safetensors", zero_attn=zero_attn_marks(config), verify=True
+    )
     folded = module_state(load_file(tmp_path / "folded.safetensors"), "attn.")
     assert folded.keys() == stock.state_dict().keys()  # stock's layout, names and shapes
     key_slot = folded["in_proj_bias"][8:16]
@@ -104,7 +108,9 @@ def test_strip_then_to_stock_keeps_the_function(tmp_path, config):
     strip_checkpoint(tmp_path / "stock.safetensors", tmp_path / "mid.safetensors", verify=True)
     mid = module_state(load_file(tmp_path / "mid.safetensors"), "attn.")
     assert "in_proj_bias" not in mid and "k_proj_bias" not in mid
-    assert_close_scaled(outputs(slim_from(mid, **config), config), outputs(stock, config), "slim loading strip's output")
+    assert_close_scaled(
+        outputs(slim_from(mid, **config), config), outputs(stock, config), "slim loading strip's output"
+    )
 
     to_stock_checkpoint(tmp_path / "mid.safetensors", tmp_path / "back.safetensors", verify=True)
     back_state = module_state(load_file(tmp_path / "back.safetensors"), "attn.")
@@ -116,11 +122,14 @@ def test_strip_then_to_stock_keeps_the_function(tmp_path, config):
 def test_fold_matches_the_bias_arithmetic(tmp_path, config):
     """One implementation: fold's file holds what slim_mha.bias.zero_key_bias makes of the stock state."""
     stock = stock_attention(**config)
-    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors")
+    save_file(
+        {**prefixed(stock, "attn."), **prefixed(stock_attention(seed=5), "plain.")}, tmp_path / "stock.safetensors"
+    )
     fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "folded.safetensors", zero_attn=zero_attn_marks(config))
     expected = {key: value.detach() for key, value in stock.state_dict().items()}
     expected["in_proj_bias"], bias_k = zero_key_bias(
-        expected["in_proj_bias"].double(), expected["bias_k"].double() if "bias_k" in expected else None,
+        expected["in_proj_bias"].double(),
+        expected["bias_k"].double() if "bias_k" in expected else None,
         add_zero_attn=bool(config.get("add_zero_attn")),
     )
     if bias_k is not None:
@@ -152,8 +161,9 @@ def test_dtypes_are_kept_exactly(tmp_path, dtype):
     tensors = prefixed(stock, "attn.", dtype)
     tensors["attn.out_proj.bias"] = tensors["attn.out_proj.bias"].float()  # a mixed-dtype module too
     save_file(tensors, tmp_path / "in.safetensors")
-    report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
-                             fold_value_bias=True, verify=True)
+    report = fold_checkpoint(
+        tmp_path / "in.safetensors", tmp_path / "out.safetensors", fold_value_bias=True, verify=True
+    )
     out = load_file(tmp_path / "out.safetensors")
     assert out["attn.in_proj_bias"].dtype == dtype
     assert torch.count_nonzero(out["attn.in_proj_bias"][8:]) == 0  # key and (folded) value slots
@@ -226,19 +236,23 @@ def test_biasless_modules_pass_through_unchanged(tmp_path):
 # ------------------------------------------------------------------------------------ value bias
 
 
-@pytest.mark.parametrize("config", [{}, {"add_bias_kv": True}, {"kdim": 5, "vdim": 6}], ids=["plain", "bias_kv", "kdim"])
+@pytest.mark.parametrize(
+    "config", [{}, {"add_bias_kv": True}, {"kdim": 5, "vdim": 6}], ids=["plain", "bias_kv", "kdim"]
+)
 def test_fold_value_bias_is_exact_in_eval(tmp_path, config):
     stock = stock_attention(**config)
     save_file(prefixed(stock, "attn."), tmp_path / "in.safetensors")
-    report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
-                             fold_value_bias=True, verify=True)
+    report = fold_checkpoint(
+        tmp_path / "in.safetensors", tmp_path / "out.safetensors", fold_value_bias=True, verify=True
+    )
     assert report.modules[0].action.endswith("fold the value bias into out_proj.bias (exact in eval only)")
     state = module_state(load_file(tmp_path / "out.safetensors"), "attn.")
     assert torch.count_nonzero(state["in_proj_bias"][8:]) == 0  # key and value slots are zero
     assert_close_scaled(outputs(stock_from(state, **config), config), outputs(stock, config))
 
-    strip_checkpoint(tmp_path / "in.safetensors", tmp_path / "stripped.safetensors", fold_value_bias=True,
-                     verify=True) if not config.get("add_bias_kv") else None
+    strip_checkpoint(
+        tmp_path / "in.safetensors", tmp_path / "stripped.safetensors", fold_value_bias=True, verify=True
+    ) if not config.get("add_bias_kv") else None
     if not config.get("add_bias_kv"):  # strip's file: no value bias at all
         stripped = module_state(load_file(tmp_path / "stripped.safetensors"), "attn.")
         assert "v_proj_bias" not in stripped and "in_proj_bias" not in stripped
@@ -266,8 +280,9 @@ def test_fold_value_bias_is_not_exact_in_training(tmp_path):
 def test_fold_value_bias_refuses_zero_attn(tmp_path):
     save_file(prefixed(stock_attention(add_zero_attn=True), "attn."), tmp_path / "in.safetensors")
     with pytest.raises(ValueError) as caught:
-        fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["attn"],
-                        fold_value_bias=True)
+        fold_checkpoint(
+            tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["attn"], fold_value_bias=True
+        )
     assert str(caught.value) == (
         f"{tmp_path / 'in.safetensors'}: fold cannot convert 'attn' exactly: it is marked add_zero_attn, and the "
         "zero value token cannot absorb -b_v, so --fold-value-bias would change its output; drop "
@@ -279,8 +294,9 @@ def test_fold_value_bias_on_an_already_slim_checkpoint(tmp_path):
     stock = stock_attention(add_bias_kv=True)
     save_file(prefixed(stock, "attn."), tmp_path / "in.safetensors")
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "slim.safetensors")
-    report = fold_checkpoint(tmp_path / "slim.safetensors", tmp_path / "eval.safetensors",
-                             fold_value_bias=True, verify=True)
+    report = fold_checkpoint(
+        tmp_path / "slim.safetensors", tmp_path / "eval.safetensors", fold_value_bias=True, verify=True
+    )
     assert report.modules[0].action == (
         "zero the key slot of in_proj_bias, fold it into bias_k; fold the value bias into out_proj.bias (exact in eval only)"
     )
@@ -297,8 +313,9 @@ def test_zero_attn_globs_mark_every_matching_module(tmp_path):
         tensors.update(prefixed(stock_attention(add_zero_attn=True, seed=layer), f"decoder.layers.{layer}.self_attn."))
     tensors.update(prefixed(stock_attention(seed=9), "encoder.layers.0.self_attn."))
     save_file(tensors, tmp_path / "in.safetensors")
-    report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
-                             zero_attn=["decoder.layers.*.self_attn"], verify=True)
+    report = fold_checkpoint(
+        tmp_path / "in.safetensors", tmp_path / "out.safetensors", zero_attn=["decoder.layers.*.self_attn"], verify=True
+    )
     out = load_file(tmp_path / "out.safetensors")
     for layer in range(3):  # left as stock has them: their key bias matters
         key = f"decoder.layers.{layer}.self_attn.in_proj_bias"
@@ -373,14 +390,18 @@ def test_sharded_fold_keeps_shards_index_and_metadata(tmp_path):
         with safe_open(out_dir / name, "pt") as handle:
             stored.update({key: name for key in handle.keys()})
             assert handle.metadata() == {
-                "format": "pt", "slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": "fold"
+                "format": "pt",
+                "slim_mha.format_version": str(FORMAT_VERSION),
+                "slim_mha.mode": "fold",
             }
     assert index["weight_map"] == stored
     assert stored["enc.attn.in_proj_bias"] == "model-00002-of-00003.safetensors"
     assert stored["enc.attn.bias_k"] == "model-00001-of-00003.safetensors"
     out = load_sharded(out_dir)
     assert index["metadata"] == {
-        "origin": "tests", "slim_mha.format_version": str(FORMAT_VERSION), "slim_mha.mode": "fold",
+        "origin": "tests",
+        "slim_mha.format_version": str(FORMAT_VERSION),
+        "slim_mha.mode": "fold",
         "total_size": sum(t.numel() * t.element_size() for t in out.values()),
     }
     assert out["head.weight"].dtype == torch.bfloat16 and torch.equal(out["head.weight"], tensors["head.weight"])
@@ -462,8 +483,9 @@ def test_verify_passes_honest_folds_in_low_precision(tmp_path, dtype):
     for seed in range(4):
         tensors.update(prefixed(stock_attention(32, add_bias_kv=True, seed=seed), f"m{seed}.", dtype))
     save_file(tensors, tmp_path / "in.safetensors")
-    report = fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", verify=True,
-                             fold_value_bias=True)
+    report = fold_checkpoint(
+        tmp_path / "in.safetensors", tmp_path / "out.safetensors", verify=True, fold_value_bias=True
+    )
     assert all(module.verify_error is not None for module in report.modules)
 
 
@@ -485,14 +507,42 @@ def test_inspect_reports_layout_key_bias_and_plans(tmp_path):
     report = inspect_checkpoint(tmp_path / "in.safetensors", zero_attn=["za"])
     summary = [(m.name, m.layout, m.key_bias, m.bias_kv, m.zero_attn, m.strip, m.fold) for m in report.modules]
     assert summary == [
-        ("kv", "stock", "non-zero", True, None, "refuses: bias_k is present (use fold)",
-         "zero the key slot of in_proj_bias, fold it into bias_k"),
-        ("nobias", "no input bias", "absent", False, None, "nothing to do (no input bias)",
-         "nothing to do (no input bias)"),
-        ("za", "stock", "non-zero", False, True, "refuses: add_zero_attn (use fold)",
-         "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"),
-        ("zero_key", "stock", "zero", False, None, "drop the key slice of in_proj_bias",
-         "zero the key slot of in_proj_bias"),
+        (
+            "kv",
+            "stock",
+            "non-zero",
+            True,
+            None,
+            "refuses: bias_k is present (use fold)",
+            "zero the key slot of in_proj_bias, fold it into bias_k",
+        ),
+        (
+            "nobias",
+            "no input bias",
+            "absent",
+            False,
+            None,
+            "nothing to do (no input bias)",
+            "nothing to do (no input bias)",
+        ),
+        (
+            "za",
+            "stock",
+            "non-zero",
+            False,
+            True,
+            "refuses: add_zero_attn (use fold)",
+            "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)",
+        ),
+        (
+            "zero_key",
+            "stock",
+            "zero",
+            False,
+            None,
+            "drop the key slice of in_proj_bias",
+            "zero the key slot of in_proj_bias",
+        ),
     ]  # None: a stock checkpoint cannot record add_zero_attn, and only "za" was marked
     assert report.modules[0].key_bias_max == pytest.approx(float(tensors["kv.in_proj_bias"][8:16].abs().max()))
     assert report.tensors == len(tensors)
@@ -500,8 +550,11 @@ def test_inspect_reports_layout_key_bias_and_plans(tmp_path):
 
 
 def test_inspect_of_slim_and_kdim_modules(tmp_path):
-    save_file(key_bias_free(stock_attention(kdim=5, vdim=6, add_zero_attn=True), "attn.", add_zero_attn=True),
-              tmp_path / "slim.safetensors", metadata={"slim_mha.format_version": "1"})
+    save_file(
+        key_bias_free(stock_attention(kdim=5, vdim=6, add_zero_attn=True), "attn.", add_zero_attn=True),
+        tmp_path / "slim.safetensors",
+        metadata={"slim_mha.format_version": "1"},
+    )
     text = format_report(inspect_checkpoint(tmp_path / "slim.safetensors"))
     assert text.splitlines()[2:] == [
         "attn: slim, embed_dim=8, kdim=5, vdim=6, float32, key bias non-zero (max |b_k| "

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import default_sigint, old_output, private_ledger, run_cli  # noqa: F401 (private_ledger: autouse)
-from safetensors.torch import load_file, save_file
 from slim_mha.migration.cli import build_parser
 from slim_mha.migration.report import format_size
+
+from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import default_sigint, old_output, private_ledger, run_cli  # noqa: F401 (private_ledger: autouse)
 
 PROG = "slim-mha-migrate"
 
@@ -29,7 +31,10 @@ PROG = "slim-mha-migrate"
 @pytest.fixture
 def stock_file(tmp_path):
     path = tmp_path / "stock.safetensors"
-    tensors = {**prefixed(stock_attention(seed=1), "enc.attn."), **prefixed(stock_attention(add_bias_kv=True), "dec.attn.")}
+    tensors = {
+        **prefixed(stock_attention(seed=1), "enc.attn."),
+        **prefixed(stock_attention(add_bias_kv=True), "dec.attn."),
+    }
     save_file(tensors, path)
     return path
 
@@ -37,8 +42,11 @@ def stock_file(tmp_path):
 @pytest.fixture
 def sharded(tmp_path):
     tensors = {**prefixed(stock_attention(seed=1), "a."), **prefixed(stock_attention(seed=2), "b.")}
-    return save_sharded(tensors, tmp_path / "ckpt", [[k for k in tensors if k.startswith("a.")],
-                                                    [k for k in tensors if k.startswith("b.")]])
+    return save_sharded(
+        tensors,
+        tmp_path / "ckpt",
+        [[k for k in tensors if k.startswith("a.")], [k for k in tensors if k.startswith("b.")]],
+    )
 
 
 # ------------------------------------------------------------------------------------ success
@@ -70,7 +78,10 @@ def test_verify_and_dry_run(tmp_path, stock_file, capsys):
     assert not (tmp_path / "slim.safetensors").exists()
     run_cli(["fold", stock_file, tmp_path / "slim.safetensors"], capsys)  # the size planned is the size written
     size = format_size((tmp_path / "slim.safetensors").stat().st_size)
-    assert lines[5] == f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 10 tensors, {size}); nothing was written"
+    assert (
+        lines[5]
+        == f"dry run: would write {tmp_path / 'slim.safetensors'} (1 shard, 10 tensors, {size}); nothing was written"
+    )
 
 
 def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
@@ -80,21 +91,41 @@ def test_quiet_prints_nothing_and_still_writes(tmp_path, stock_file, capsys):
 
 
 def test_zero_attn_fold_value_bias_and_to_stock(tmp_path, capsys):
-    tensors = {**prefixed(stock_attention(add_zero_attn=True), "dec.layers.0.attn."),
-               **prefixed(stock_attention(seed=3), "enc.attn.")}
+    tensors = {
+        **prefixed(stock_attention(add_zero_attn=True), "dec.layers.0.attn."),
+        **prefixed(stock_attention(seed=3), "enc.attn."),
+    }
     save_file(tensors, tmp_path / "in.safetensors")
-    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "folded.safetensors",
-                          "--zero-attn", "dec.layers.*.attn"], capsys)
+    code, out, err = run_cli(
+        ["fold", tmp_path / "in.safetensors", tmp_path / "folded.safetensors", "--zero-attn", "dec.layers.*.attn"],
+        capsys,
+    )
     assert (code, err) == (0, "")
-    assert "  dec.layers.0.attn: nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)" in out
+    assert (
+        "  dec.layers.0.attn: nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"
+        in out
+    )
     assert "  enc.attn: zero the key slot of in_proj_bias" in out
-    code, out, err = run_cli(["fold", tmp_path / "in.safetensors", tmp_path / "eval.safetensors",
-                          "--zero-attn", "dec.layers.*.attn", "--fold-value-bias"], capsys)
+    code, out, err = run_cli(
+        [
+            "fold",
+            tmp_path / "in.safetensors",
+            tmp_path / "eval.safetensors",
+            "--zero-attn",
+            "dec.layers.*.attn",
+            "--fold-value-bias",
+        ],
+        capsys,
+    )
     assert code == 1
-    assert err.startswith(f"{PROG} fold: error: {tmp_path / 'in.safetensors'}: fold cannot convert "
-                          "'dec.layers.0.attn' exactly: it is marked add_zero_attn, and the zero value token")
-    code, out, err = run_cli(["strip", tmp_path / "in.safetensors", tmp_path / "slim.safetensors",
-                              "--zero-attn", "dec.layers.*.attn"], capsys)
+    assert err.startswith(
+        f"{PROG} fold: error: {tmp_path / 'in.safetensors'}: fold cannot convert "
+        "'dec.layers.0.attn' exactly: it is marked add_zero_attn, and the zero value token"
+    )
+    code, out, err = run_cli(
+        ["strip", tmp_path / "in.safetensors", tmp_path / "slim.safetensors", "--zero-attn", "dec.layers.*.attn"],
+        capsys,
+    )
     assert code == 1 and "use fold, which keeps stock's layout for it" in err
     code, out, err = run_cli(["to-stock", tmp_path / "folded.safetensors", tmp_path / "back.safetensors"], capsys)
     assert code == 3 and "all 2 attention modules are already in the stock layout" in err  # nothing to do
@@ -123,17 +154,25 @@ def test_inspect_output(tmp_path, stock_file, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["fold", "{tmp}/missing.safetensors", "{tmp}/out.safetensors"],
-         "{tmp}/missing.safetensors: no such file or directory"),
-        (["strip", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
-         "{tmp}/stock.safetensors: strip cannot convert 'dec.attn' exactly: bias_k is present ('dec.attn.bias_k' "
-         "in {tmp}/stock.safetensors), so dropping the key bias is not exact; use fold, which folds it into "
-         "bias_k (or pass --keep-inexact to strip the rest and leave such modules as they are); nothing was written"),
-        (["fold", "{tmp}/stock.safetensors", "{tmp}/stock.safetensors", "--force"],
-         "{tmp}/stock.safetensors: DST would overwrite the input {tmp}/stock.safetensors; write to another path"),
-        (["inspect", "{tmp}/stock.safetensors", "--zero-attn", "nope"],
-         "{tmp}/stock.safetensors: --zero-attn 'nope' matches no attention module; modules are named like "
-         "'dec.attn' (see inspect)"),
+        (
+            ["fold", "{tmp}/missing.safetensors", "{tmp}/out.safetensors"],
+            "{tmp}/missing.safetensors: no such file or directory",
+        ),
+        (
+            ["strip", "{tmp}/stock.safetensors", "{tmp}/out.safetensors"],
+            "{tmp}/stock.safetensors: strip cannot convert 'dec.attn' exactly: bias_k is present ('dec.attn.bias_k' "
+            "in {tmp}/stock.safetensors), so dropping the key bias is not exact; use fold, which folds it into "
+            "bias_k (or pass --keep-inexact to strip the rest and leave such modules as they are); nothing was written",
+        ),
+        (
+            ["fold", "{tmp}/stock.safetensors", "{tmp}/stock.safetensors", "--force"],
+            "{tmp}/stock.safetensors: DST would overwrite the input {tmp}/stock.safetensors; write to another path",
+        ),
+        (
+            ["inspect", "{tmp}/stock.safetensors", "--zero-attn", "nope"],
+            "{tmp}/stock.safetensors: --zero-attn 'nope' matches no attention module; modules are named like "
+            "'dec.attn' (see inspect)",
+        ),
     ],
     ids=["missing", "strip_refuses", "same_path", "zero_attn_typo"],
 )
@@ -164,7 +203,10 @@ def test_nothing_to_do_exits_with_its_own_status_not_a_failures(tmp_path, stock_
 def test_existing_output_then_force(tmp_path, stock_file, capsys):
     old_output(tmp_path / "out.safetensors")
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
-    assert (code, err) == (1, f"{PROG} fold: error: {tmp_path / 'out.safetensors'}: already exists; pass --force to replace it\n")
+    assert (code, err) == (
+        1,
+        f"{PROG} fold: error: {tmp_path / 'out.safetensors'}: already exists; pass --force to replace it\n",
+    )
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert (code, err) == (0, "")
 
@@ -203,7 +245,10 @@ def test_ctrl_c_exits_130(tmp_path, stock_file, capsys, monkeypatch):
     [
         ([], "the following arguments are required: {strip,fold,to-stock,inspect}"),
         (["fold", "a.safetensors"], "the following arguments are required: DST"),
-        (["to-stock", "a.safetensors", "b.safetensors", "--fold-value-bias"], "unrecognized arguments: --fold-value-bias"),
+        (
+            ["to-stock", "a.safetensors", "b.safetensors", "--fold-value-bias"],
+            "unrecognized arguments: --fold-value-bias",
+        ),
         (["inspect", "a.safetensors", "--force"], "unrecognized arguments: --force"),
     ],
     ids=["no_command", "no_dst", "to_stock_value_bias", "inspect_force"],
@@ -275,9 +320,15 @@ def test_no_progress_bar_for_a_small_single_file_even_on_a_terminal(tmp_path, st
 def _readable_names() -> list[str]:
     """Every input the reader accepts, from the reader's own constants."""
     return [
-        ".safetensors", *checkpoint_module.TORCH_SUFFIXES, "*.index.json", checkpoint_module.INDEX_NAME,
-        checkpoint_module.TORCH_INDEX_NAME, checkpoint_module.SINGLE_NAME, checkpoint_module.TORCH_SINGLE_NAME,
-        *checkpoint_module._WRAPPERS, "weights_only=True",
+        ".safetensors",
+        *checkpoint_module.TORCH_SUFFIXES,
+        "*.index.json",
+        checkpoint_module.INDEX_NAME,
+        checkpoint_module.TORCH_INDEX_NAME,
+        checkpoint_module.SINGLE_NAME,
+        checkpoint_module.TORCH_SINGLE_NAME,
+        *checkpoint_module._WRAPPERS,
+        "weights_only=True",
     ]
 
 
@@ -315,8 +366,19 @@ def _environment() -> dict[str, str]:
 
 def test_python_dash_m_migration(tmp_path, stock_file):
     result = subprocess.run(
-        [sys.executable, "-m", "slim_mha.migration", "fold", str(stock_file), str(tmp_path / "slim.safetensors"), "--verify"],
-        capture_output=True, text=True, env=_environment(), timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "slim_mha.migration",
+            "fold",
+            str(stock_file),
+            str(tmp_path / "slim.safetensors"),
+            "--verify",
+        ],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
@@ -330,8 +392,11 @@ def test_console_script_error_has_no_traceback(tmp_path):
     script = shutil.which("slim-mha-migrate", path=os.path.dirname(sys.executable))
     command = [script] if script else [sys.executable, "-m", "slim_mha.migration"]
     result = subprocess.run(
-        [*command, "inspect", str(tmp_path / "missing.pt")], capture_output=True, text=True,
-        env=_environment(), timeout=120,
+        [*command, "inspect", str(tmp_path / "missing.pt")],
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=120,
     )
     prog = PROG if script else "python -m slim_mha.migration"
     assert result.returncode == 1
@@ -376,8 +441,15 @@ def _interrupted_at(hook: str, command: list[str], cwd: Path, **fields: str) -> 
     (folder / "sitecustomize.py").write_text(hook.format(ready=str(ready), sent=str(sent), **fields))
     environment = _environment()
     environment["PYTHONPATH"] = os.pathsep.join([str(folder), environment["PYTHONPATH"]])
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=environment, preexec_fn=default_sigint)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        preexec_fn=default_sigint,
+    )
     try:
         deadline = time.monotonic() + 180  # a busy machine
         while not ready.exists():
@@ -446,18 +518,24 @@ def test_the_cli_and_the_api_each_speak_their_own_words(tmp_path, stock_file, ca
     with pytest.raises(FileExistsError, match=r"already exists; pass force=True to replace it$"):
         migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", migrate_module.MigrationOptions())
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--zero-attn", ""], capsys)
-    assert (code, err) == (1, f"{PROG} fold: error: --zero-attn '': expected a module name such as "
-                              "'decoder.layers.0.self_attn'\n")
+    assert (code, err) == (
+        1,
+        f"{PROG} fold: error: --zero-attn '': expected a module name such as 'decoder.layers.0.self_attn'\n",
+    )
     with pytest.raises(ValueError, match=r"^zero_attn '': expected a module name"):
-        migrate_module.migrate("fold", stock_file, tmp_path / "out.safetensors", migrate_module.MigrationOptions(zero_attn=[""]))
+        migrate_module.migrate(
+            "fold", stock_file, tmp_path / "out.safetensors", migrate_module.MigrationOptions(zero_attn=[""])
+        )
 
 
 def test_escape_characters_in_paths_are_shown_escaped(tmp_path, stock_file, capsys):
     destination = tmp_path / "out\x1b[2K\r.pt"
     code, out, err = run_cli(["fold", stock_file, destination], capsys)
     assert code == 1 and out == ""
-    assert err == (f"{PROG} fold: error: {tmp_path}/out\\x1b[2K\\r.pt: the output is one safetensors file, so DST "
-                   "must end in .safetensors\n")
+    assert err == (
+        f"{PROG} fold: error: {tmp_path}/out\\x1b[2K\\r.pt: the output is one safetensors file, so DST "
+        "must end in .safetensors\n"
+    )
 
 
 def test_a_write_failure_names_the_users_path_not_the_staging_path(tmp_path, sharded, capsys, monkeypatch):
@@ -467,7 +545,10 @@ def test_a_write_failure_names_the_users_path_not_the_staging_path(tmp_path, sha
     monkeypatch.setattr(migrate_module, "write_safetensors", disk_full)
     code, out, err = run_cli(["fold", sharded, tmp_path / "out"], capsys)
     assert (code, out) == (1, "")
-    assert err == f"{PROG} fold: error: {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was written\n"
+    assert (
+        err
+        == f"{PROG} fold: error: {tmp_path / 'out'}: cannot write the output (No space left on device); nothing was written\n"
+    )
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
@@ -508,8 +589,10 @@ def test_a_bug_after_the_output_is_in_place_does_not_say_nothing_was_written(tmp
     monkeypatch.setattr(cli_module, "format_report", broken)
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert code == 1
-    assert err == (f"{PROG} fold: internal error: TypeError: cannot format; {tmp_path / 'out.safetensors'} "
-                   "was written completely\n")
+    assert err == (
+        f"{PROG} fold: internal error: TypeError: cannot format; {tmp_path / 'out.safetensors'} "
+        "was written completely\n"
+    )
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -517,7 +600,11 @@ def test_stdout_on_a_full_disk_is_one_line(tmp_path, stock_file):
     with open("/dev/full", "w") as full:
         result = subprocess.run(
             [sys.executable, "-m", "slim_mha.migration", "fold", str(stock_file), str(tmp_path / "out.safetensors")],
-            stdout=full, stderr=subprocess.PIPE, text=True, env=_environment(), timeout=120,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_environment(),
+            timeout=120,
         )
     assert result.returncode == 1
     assert result.stderr == (
@@ -527,13 +614,21 @@ def test_stdout_on_a_full_disk_is_one_line(tmp_path, stock_file):
     assert load_file(tmp_path / "out.safetensors")["dec.attn.in_proj_bias"][8:16].count_nonzero() == 0
 
 
-@pytest.mark.parametrize("command", [["inspect", "{src}"], ["fold", "{src}", "{tmp}/out.safetensors", "--verify"]],
-                         ids=["inspect", "fold_verify"])
+@pytest.mark.parametrize(
+    "command",
+    [["inspect", "{src}"], ["fold", "{src}", "{tmp}/out.safetensors", "--verify"]],
+    ids=["inspect", "fold_verify"],
+)
 def test_a_bad_environment_gives_one_line_not_a_traceback(tmp_path, stock_file, command):
     environment = {**_environment(), "SLIM_MHA_CHECK_EQUIVARIANCE": "yes2"}
     argv = [arg.format(src=stock_file, tmp=tmp_path) for arg in command]
-    result = subprocess.run([sys.executable, "-m", "slim_mha.migration", *argv], capture_output=True, text=True,
-                            env=environment, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "slim_mha.migration", *argv],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+    )
     # --verify builds torch's stock class only, so the variable (read by slim attention) plays no part.
     assert (result.returncode, result.stderr) == (0, "")
 
@@ -566,4 +661,6 @@ def test_keep_in_the_python_api_and_a_strip_that_keeps_everything_has_nothing_to
     with pytest.raises(migration_package.NothingToDo, match="nothing to do"):
         migration_package.strip_checkpoint(stock_file, tmp_path / "b.safetensors", keep=["*"])
     with pytest.raises(ValueError, match="apply to strip only"):
-        migrate_module.migrate("fold", stock_file, tmp_path / "c.safetensors", migrate_module.MigrationOptions(keep=("dec.attn",)))
+        migrate_module.migrate(
+            "fold", stock_file, tmp_path / "c.safetensors", migrate_module.MigrationOptions(keep=("dec.attn",))
+        )

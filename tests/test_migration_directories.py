@@ -9,6 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import slim_mha
+from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
+from slim_mha.migration.cli import main
+
 from _migration_checkpoints import (
     STOCK_MHA,
     prefixed,
@@ -19,12 +26,6 @@ from _migration_checkpoints import (
 )
 from _migration_helpers import private_ledger  # noqa: F401 (autouse)
 from _reference import assert_close_scaled
-from safetensors.torch import load_file, save_file
-from slim_mha.migration import fold_checkpoint, format_report, strip_checkpoint
-from slim_mha.migration.cli import main
-from torch import nn
-
-import slim_mha
 
 COMPANIONS = {
     ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
@@ -41,8 +42,13 @@ SHARD_NAMES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safeten
 
 
 def _hf_folder(folder: Path) -> Path:
-    tensors = {**prefixed(stock_attention(seed=1), "encoder.attn."), **prefixed(stock_attention(seed=2), "decoder.attn.")}
-    save_sharded(tensors, folder, [[key for key in tensors if key.startswith(prefix)] for prefix in ("decoder.", "encoder.")])
+    tensors = {
+        **prefixed(stock_attention(seed=1), "encoder.attn."),
+        **prefixed(stock_attention(seed=2), "decoder.attn."),
+    }
+    save_sharded(
+        tensors, folder, [[key for key in tensors if key.startswith(prefix)] for prefix in ("decoder.", "encoder.")]
+    )
     for name, data in COMPANIONS.items():
         (folder / name).write_bytes(data)
     return folder
@@ -162,7 +168,9 @@ def test_force_without_companions_over_them_refuses(tmp_path, model_folder):
     out = tmp_path / "out"
     fold_checkpoint(model_folder, out)
     before = tree_digest(out)
-    with pytest.raises(ValueError, match=r"force=True would delete '\.gitattributes', which this output does not write"):
+    with pytest.raises(
+        ValueError, match=r"force=True would delete '\.gitattributes', which this output does not write"
+    ):
         fold_checkpoint(model_folder, out, force=True, companions=False)
     assert tree_digest(out) == before
 

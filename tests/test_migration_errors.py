@@ -9,10 +9,19 @@ import pickle
 import re
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
 import slim_mha.migration._migrate as migrate_module
 import slim_mha.migration._writer as migration_writer
 import slim_mha.migration._writer as writer_module
-import torch
+from slim_mha.migration import (
+    fold_checkpoint,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+
 from _migration_checkpoints import (
     key_bias_free,
     prefixed,
@@ -21,13 +30,6 @@ from _migration_checkpoints import (
     tree_digest,
 )
 from _migration_helpers import old_output, private_ledger, reads_pickles, refusal  # noqa: F401 (private_ledger: autouse)
-from safetensors.torch import load_file, save_file
-from slim_mha.migration import (
-    fold_checkpoint,
-    inspect_checkpoint,
-    strip_checkpoint,
-    to_stock_checkpoint,
-)
 
 FIX_GROUP = "the tensors under 'attn.' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
 
@@ -61,7 +63,8 @@ def test_truncated_or_corrupt_safetensors(stock_file, tmp_path, damage):
     bad.write_bytes(damage(stock_file.read_bytes()))
     message = refusal(ValueError, fold_checkpoint, bad, tmp_path / "out.safetensors")
     assert re.fullmatch(
-        re.escape(f"{bad}: not a valid safetensors file (") + r"Error while deserializing header: [^()]+"
+        re.escape(f"{bad}: not a valid safetensors file (")
+        + r"Error while deserializing header: [^()]+"
         + re.escape("); it is truncated, corrupt or another format: re-download or re-save it"),
         message,
     ), message
@@ -191,8 +194,9 @@ def test_pickle_needing_more_than_tensors_is_refused_unexecuted(tmp_path, monkey
     assert not (tmp_path / "pwned-by-pickle").exists()
 
 
-@pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"hello world" * 10],
-                         ids=["truncated", "garbage"])
+@pytest.mark.parametrize(
+    "damage", [lambda data: data[: len(data) // 2], lambda data: b"hello world" * 10], ids=["truncated", "garbage"]
+)
 @reads_pickles
 def test_truncated_or_corrupt_torch_file(tmp_path, damage):
     good = tmp_path / "good.pt"
@@ -235,31 +239,58 @@ def _with(tmp_path, tensors):
 @pytest.mark.parametrize(
     ("edit", "problem"),
     [
-        (lambda t: t.update({"attn.in_proj_bias": torch.zeros(23)}),
-         "'attn.in_proj_bias' has shape [23], expected [24] for embed_dim=8 (from attn.out_proj.weight)"),
-        (lambda t: t.update({"attn.in_proj_weight": torch.zeros(24, 7)}),
-         "'attn.in_proj_weight' has shape [24, 7], expected [24, 8] for embed_dim=8 (from attn.out_proj.weight)"),
-        (lambda t: t.update({"attn.bias_k": torch.zeros(8)}),
-         "'attn.bias_k' has shape [8], expected [1, 1, 8] for embed_dim=8 (from attn.out_proj.weight)"),
-        (lambda t: t.update({"attn.out_proj.weight": torch.zeros(8, 4)}),
-         "'attn.out_proj.weight' has shape [8, 4], expected [E, E]"),
-        (lambda t: t.pop("attn.out_proj.weight"),
-         "'attn.in_proj_weight' has no attn.out_proj.weight beside it"),
-        (lambda t: t.pop("attn.bias_v"),
-         "'attn.bias_k' is present but attn.bias_v is missing (add_bias_kv sets both)"),
-        (lambda t: t.pop("attn.in_proj_weight"),
-         "'attn.in_proj_bias' is named like an attention parameter but has no in_proj_weight beside it"),
-        (lambda t: t.update({"attn.q_proj_bias": torch.zeros(8)}),
-         "'attn.q_proj_bias' is present together with in_proj_bias (mixes the stock and slim layouts)"),
-        (lambda t: t.update({"attn.k_proj_weight": torch.zeros(8, 8)}),
-         "'attn.k_proj_weight' is present together with in_proj_weight (stock has one or the other)"),
-        (lambda t: t.pop("attn.out_proj.bias"),
-         "'attn.out_proj.weight' has input biases but no attn.out_proj.bias (bias=True sets both)"),
-        (lambda t: t.update({"attn.in_proj_bias": torch.zeros(24, dtype=torch.int32)}),
-         "'attn.in_proj_bias' has dtype I32; attention parameters must be F16, BF16, F32 or F64"),
+        (
+            lambda t: t.update({"attn.in_proj_bias": torch.zeros(23)}),
+            "'attn.in_proj_bias' has shape [23], expected [24] for embed_dim=8 (from attn.out_proj.weight)",
+        ),
+        (
+            lambda t: t.update({"attn.in_proj_weight": torch.zeros(24, 7)}),
+            "'attn.in_proj_weight' has shape [24, 7], expected [24, 8] for embed_dim=8 (from attn.out_proj.weight)",
+        ),
+        (
+            lambda t: t.update({"attn.bias_k": torch.zeros(8)}),
+            "'attn.bias_k' has shape [8], expected [1, 1, 8] for embed_dim=8 (from attn.out_proj.weight)",
+        ),
+        (
+            lambda t: t.update({"attn.out_proj.weight": torch.zeros(8, 4)}),
+            "'attn.out_proj.weight' has shape [8, 4], expected [E, E]",
+        ),
+        (lambda t: t.pop("attn.out_proj.weight"), "'attn.in_proj_weight' has no attn.out_proj.weight beside it"),
+        (lambda t: t.pop("attn.bias_v"), "'attn.bias_k' is present but attn.bias_v is missing (add_bias_kv sets both)"),
+        (
+            lambda t: t.pop("attn.in_proj_weight"),
+            "'attn.in_proj_bias' is named like an attention parameter but has no in_proj_weight beside it",
+        ),
+        (
+            lambda t: t.update({"attn.q_proj_bias": torch.zeros(8)}),
+            "'attn.q_proj_bias' is present together with in_proj_bias (mixes the stock and slim layouts)",
+        ),
+        (
+            lambda t: t.update({"attn.k_proj_weight": torch.zeros(8, 8)}),
+            "'attn.k_proj_weight' is present together with in_proj_weight (stock has one or the other)",
+        ),
+        (
+            lambda t: t.pop("attn.out_proj.bias"),
+            "'attn.out_proj.weight' has input biases but no attn.out_proj.bias (bias=True sets both)",
+        ),
+        (
+            lambda t: t.update({"attn.in_proj_bias": torch.zeros(24, dtype=torch.int32)}),
+            "'attn.in_proj_bias' has dtype I32; attention parameters must be F16, BF16, F32 or F64",
+        ),
     ],
-    ids=["in_proj_bias", "in_proj_weight", "bias_k", "out_proj", "no_out_proj", "bias_v_missing", "orphan_bias",
-         "mixed_layout", "both_weights", "no_out_bias", "int_dtype"],
+    ids=[
+        "in_proj_bias",
+        "in_proj_weight",
+        "bias_k",
+        "out_proj",
+        "no_out_proj",
+        "bias_v_missing",
+        "orphan_bias",
+        "mixed_layout",
+        "both_weights",
+        "no_out_bias",
+        "int_dtype",
+    ],
 )
 def test_groups_that_do_not_fit_are_refused(tmp_path, edit, problem):
     tensors = prefixed(stock_attention(add_bias_kv=True), "attn.")
@@ -354,13 +385,20 @@ def test_existing_output_directory_needs_force_and_only_holds_checkpoint_files(t
     ("source_name", "destination_name", "message"),
     [
         ("file", "out.pt", "{dst}: the output is one safetensors file, so DST must end in .safetensors"),
-        ("sharded", "out.safetensors",
-         "{dst}: {src} is a checkpoint directory, so DST must be a directory (the shards keep their names), "
-         "not a file name"),
+        (
+            "sharded",
+            "out.safetensors",
+            "{dst}: {src} is a checkpoint directory, so DST must be a directory (the shards keep their names), "
+            "not a file name",
+        ),
         ("file", "stock.safetensors", "{dst}: DST would overwrite the input {src}; write to another path"),
         ("sharded", "ckpt", "{dst}: DST would overwrite the input {src}; write to another path"),
-        ("sharded", ".", "{dst}: DST holds the input {src}, and the output folder replaces DST as a whole; write "
-         "to a new folder, such as {dst}/ckpt.slim"),
+        (
+            "sharded",
+            ".",
+            "{dst}: DST holds the input {src}, and the output folder replaces DST as a whole; write "
+            "to a new folder, such as {dst}/ckpt.slim",
+        ),
     ],
     ids=["file_suffix", "sharded_to_file", "same_file", "same_dir", "parent_dir"],
 )
@@ -394,7 +432,11 @@ def test_file_output_onto_a_directory_goes_into_it_under_the_sources_name(tmp_pa
 @reads_pickles
 def test_input_is_never_modified(tmp_path, stock_file, sharded):
     torch.save(prefixed(stock_attention(), "attn."), tmp_path / "stock.pt")
-    for source, destination in ((stock_file, "a.safetensors"), (sharded, "b"), (tmp_path / "stock.pt", "c.safetensors")):
+    for source, destination in (
+        (stock_file, "a.safetensors"),
+        (sharded, "b"),
+        (tmp_path / "stock.pt", "c.safetensors"),
+    ):
         before = tree_digest(source)
         mtime = os.stat(source).st_mtime_ns
         fold_checkpoint(source, tmp_path / destination, verify=True, fold_value_bias=True)
@@ -402,8 +444,9 @@ def test_input_is_never_modified(tmp_path, stock_file, sharded):
         assert os.stat(source).st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError(errno.ENOSPC, "No space left on device")],
-                         ids=["ctrl_c", "disk_full"])
+@pytest.mark.parametrize(
+    "interrupt", [KeyboardInterrupt, OSError(errno.ENOSPC, "No space left on device")], ids=["ctrl_c", "disk_full"]
+)
 def test_interrupted_write_leaves_no_partial_output(tmp_path, sharded, monkeypatch, interrupt):
     calls = []
     real_write = migrate_module.write_safetensors

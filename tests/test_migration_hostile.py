@@ -11,12 +11,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
-import torch
-from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
-from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
-from safetensors.torch import load_file, save_file
 from slim_mha.migration import (
     fold_checkpoint,
     format_report,
@@ -26,13 +25,19 @@ from slim_mha.migration import (
 )
 from slim_mha.migration._destination import _resolved
 
+from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "slim-mha-migrate"
 
 
 def _folder(path: Path, *, seed: int = 1) -> Path:
     """A two-shard checkpoint folder with a config.json."""
-    tensors = {**prefixed(stock_attention(seed=seed), "enc.attn."), **prefixed(stock_attention(seed=seed + 1), "dec.attn.")}
+    tensors = {
+        **prefixed(stock_attention(seed=seed), "enc.attn."),
+        **prefixed(stock_attention(seed=seed + 1), "dec.attn."),
+    }
     save_sharded(tensors, path, [[key for key in tensors if key.startswith(p)] for p in ("dec.", "enc.")])
     (path / "config.json").write_text('{"model_type": "test"}\n')
     return path
@@ -213,8 +218,9 @@ def test_force_does_not_overwrite_a_users_own_companion(tmp_path):
     (out / "config.json").write_text('{"model_type": "mine"}\n')  # the user's, never written by a run
     before = tree_digest(out)
     message = refusal(ValueError, fold_checkpoint, model, out, force=True)
-    assert message.startswith(f"{out}: force=True would delete 'config.json', which no earlier run wrote, or "
-                              "which was changed since;")
+    assert message.startswith(
+        f"{out}: force=True would delete 'config.json', which no earlier run wrote, or which was changed since;"
+    )
     assert tree_digest(out) == before
 
 
@@ -227,7 +233,9 @@ def test_force_replaces_a_companion_it_wrote_but_not_one_edited_since(tmp_path):
     assert (out / "config.json").read_text() == '{"model_type": "v2"}\n'
     (out / "config.json").write_text('{"model_type": "edited in DST"}\n')
     (model / "config.json").write_text('{"model_type": "v3"}\n')
-    with pytest.raises(ValueError, match="would delete 'config.json', which no earlier run wrote, or which was changed"):
+    with pytest.raises(
+        ValueError, match="would delete 'config.json', which no earlier run wrote, or which was changed"
+    ):
         fold_checkpoint(model, out, force=True)
     assert (out / "config.json").read_text() == '{"model_type": "edited in DST"}\n'
 
@@ -391,8 +399,11 @@ def _flip_after_writing(monkeypatch, key: str) -> None:
 
 
 # Every tensor of the output: copied (weights, out_proj) and converted (in_proj_bias) alike.
-_KEYS = sorted(f"{prefix}.attn.{local}" for prefix in ("dec", "enc") for local in (
-    "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"))
+_KEYS = sorted(
+    f"{prefix}.attn.{local}"
+    for prefix in ("dec", "enc")
+    for local in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+)
 
 
 @pytest.mark.parametrize("key", _KEYS)
@@ -414,8 +425,9 @@ def test_without_verify_the_same_fault_goes_unseen(tmp_path, monkeypatch):
     _flip_after_writing(monkeypatch, "enc.attn.in_proj_weight")
     fold_checkpoint(model, tmp_path / "out")
     reference = load_file(model / "model-00002-of-00002.safetensors")["enc.attn.in_proj_weight"]
-    assert not torch.equal(load_file(tmp_path / "out" / "model-00002-of-00002.safetensors")["enc.attn.in_proj_weight"],
-                           reference)
+    assert not torch.equal(
+        load_file(tmp_path / "out" / "model-00002-of-00002.safetensors")["enc.attn.in_proj_weight"], reference
+    )
 
 
 def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
@@ -423,8 +435,10 @@ def test_verify_reports_the_read_back_and_its_assumption(tmp_path, capsys):
     code, out, err = run_cli(["fold", model, tmp_path / "out", "--verify"], capsys)
     assert (code, err) == (0, "")
     assert "verified 3 written files by reading them back: every tensor matches the source or its conversion" in out
-    assert ("verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
-            "was built with it, rerun with --zero-attn (see inspect)") in out
+    assert (
+        "verify assumed 2 modules built without add_zero_attn, which a stock checkpoint cannot record: if one "
+        "was built with it, rerun with --zero-attn (see inspect)"
+    ) in out
     code, out, err = run_cli(["fold", model, tmp_path / "marked", "--verify", "--zero-attn", "*.attn"], capsys)
     assert code == 3 and "nothing to do: all 2 attention modules keep their key bias (add_zero_attn)" in err
 
@@ -445,11 +459,22 @@ def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
     fold_checkpoint(tmp_path / "stock.safetensors", tmp_path / "out.safetensors")
 
 
-@pytest.mark.parametrize(("version", "safe"), [
-    ("2.5.1", False), ("2.6.0", False), ("2.9.1+cu121", False), ("2.10.0.dev20251001", False),
-    ("2.10.0a0+git1234", False), ("2.10.0rc1", False), ("2.6.0.dev20241112", False),
-    ("2.10.0", True), ("2.10.0+cpu", True), ("2.13.0", True), ("3.0.0", True),
-])
+@pytest.mark.parametrize(
+    ("version", "safe"),
+    [
+        ("2.5.1", False),
+        ("2.6.0", False),
+        ("2.9.1+cu121", False),
+        ("2.10.0.dev20251001", False),
+        ("2.10.0a0+git1234", False),
+        ("2.10.0rc1", False),
+        ("2.6.0.dev20241112", False),
+        ("2.10.0", True),
+        ("2.10.0+cpu", True),
+        ("2.13.0", True),
+        ("3.0.0", True),
+    ],
+)
 def test_pickles_need_a_torch_release_of_at_least_2_10(version, safe):
     """Pre-releases and dev builds of a fixed version may predate the fix: only a release counts."""
     assert checkpoint_module.torch_reads_pickles_safely(version) is safe
@@ -530,6 +555,11 @@ def test_paths_resolve_as_realpath_does(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "c").mkdir()
     os.symlink(tmp_path / "a" / "b", tmp_path / "c" / "link")
-    for path in (tmp_path / "c" / "link" / ".." / "x", tmp_path / "c" / "link", tmp_path / "a" / "file",
-                 tmp_path / "c" / ".", Path("relative")):
+    for path in (
+        tmp_path / "c" / "link" / ".." / "x",
+        tmp_path / "c" / "link",
+        tmp_path / "a" / "file",
+        tmp_path / "c" / ".",
+        Path("relative"),
+    ):
         assert _resolved(path, {}) == Path(os.path.realpath(path)), path

@@ -17,8 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-import slim_mha.migration._checkpoint as checkpoint_module
 import torch
+from safetensors.torch import load_file, save_file
+
+import slim_mha.migration._checkpoint as checkpoint_module
+from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint
+from slim_mha.migration._checkpoint import TensorRecord
+
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import (  # noqa: F401
     OURS,
@@ -28,19 +33,21 @@ from _migration_helpers import (  # noqa: F401
     refusal,
     run_cli,
 )
-from safetensors.torch import load_file, save_file
-from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint
-from slim_mha.migration._checkpoint import TensorRecord
 
 _RUNS = 12  # migrations per race test
 _FLIPS = 20  # at least this many flips during each of them
 
 
 def _model(folder: Path, *, seed: int = 1, scale: float = 1.0) -> Path:
-    tensors = {**prefixed(stock_attention(seed=seed), "enc.attn."), **prefixed(stock_attention(seed=seed + 1), "dec.attn.")}
+    tensors = {
+        **prefixed(stock_attention(seed=seed), "enc.attn."),
+        **prefixed(stock_attention(seed=seed + 1), "dec.attn."),
+    }
     tensors = {key: value * scale for key, value in tensors.items()}
     keys = sorted(tensors)
-    save_sharded(tensors, folder, [[k for k in keys if k.startswith("dec.")], [k for k in keys if k.startswith("enc.")]])
+    save_sharded(
+        tensors, folder, [[k for k in keys if k.startswith("dec.")], [k for k in keys if k.startswith("enc.")]]
+    )
     (folder / "config.json").write_text('{"model_type": "test"}')
     return folder
 
@@ -256,7 +263,9 @@ def test_another_repositorys_blobs_are_outside(tmp_path):
     os.symlink(os.path.relpath(other / "secret", snapshot), snapshot / "README.md")
     report = fold_checkpoint(snapshot, tmp_path / "out")
     assert not (tmp_path / "out" / "README.md").exists()
-    assert any(note.startswith("did not copy README.md: a symbolic link that leads outside SRC") for note in report.notes)
+    assert any(
+        note.startswith("did not copy README.md: a symbolic link that leads outside SRC") for note in report.notes
+    )
 
 
 @reads_pickles
@@ -294,8 +303,9 @@ def test_force_never_replaces_another_models_checkpoint(tmp_path):
 def test_force_never_replaces_a_file_someone_else_wrote(tmp_path):
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "in.safetensors")
     save_file({"theirs": torch.ones(2)}, tmp_path / "theirs.safetensors")
-    message = refusal(ValueError, fold_checkpoint, tmp_path / "in.safetensors", tmp_path / "theirs.safetensors",
-                      force=True)
+    message = refusal(
+        ValueError, fold_checkpoint, tmp_path / "in.safetensors", tmp_path / "theirs.safetensors", force=True
+    )
     assert "carries no slim_mha metadata" in message
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "ours.safetensors")
     fold_checkpoint(tmp_path / "in.safetensors", tmp_path / "ours.safetensors", force=True)  # our own: replaced
@@ -310,7 +320,9 @@ def test_a_planted_retired_folder_is_never_restored_into_dst(tmp_path):
     assert (planted / "model.safetensors").read_bytes() == b"planted"
     assert not (tmp_path / "out" / "model.safetensors").exists()  # DST holds this run's output only
     assert sorted(os.listdir(tmp_path / "out")) == [
-        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
     assert f"left {planted}: it is named like slim-mha-migrate's staging, but no record" in report.notes[0]
@@ -344,8 +356,7 @@ def test_src_inside_dst_through_a_bind_mount_is_refused(tmp_path):
     model = _model(outer / "model")
     _bind(outer, tmp_path / "view")
     try:
-        assert "DST holds the input" in refusal(ValueError, fold_checkpoint, model, tmp_path / "view",
-                                                          force=True)
+        assert "DST holds the input" in refusal(ValueError, fold_checkpoint, model, tmp_path / "view", force=True)
     finally:
         subprocess.run(["umount", str(tmp_path / "view")], check=True)
 
@@ -370,7 +381,10 @@ def test_a_signal_inside_the_commit_acts_after_it_and_the_message_matches_the_di
     process = subprocess.Popen(
         [sys.executable, "-m", "slim_mha.migration", "strip", str(model), str(out), "--force", "--quiet"],
         env=_environment(tmp_path, SLIM_MHA_MIGRATION_TEST_PAUSE=f"inside-commit={ready}"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 60
     while not ready.exists():

@@ -12,9 +12,24 @@ import signal
 from collections import Counter
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import slim_mha
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._plan as plan_module
-import torch
+from slim_mha import SlimMultiheadAttention
+from slim_mha.bias import FORMAT_VERSION
+from slim_mha.migration import (
+    fold_checkpoint,
+    inspect_checkpoint,
+    strip_checkpoint,
+    to_stock_checkpoint,
+)
+from slim_mha.migration._checkpoint import TensorRecord
+
 from _migration_checkpoints import (
     attention_inputs,
     key_bias_free,
@@ -26,20 +41,6 @@ from _migration_checkpoints import (
     tree_digest,
 )
 from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from slim_mha.migration import (
-    fold_checkpoint,
-    inspect_checkpoint,
-    strip_checkpoint,
-    to_stock_checkpoint,
-)
-from slim_mha.migration._checkpoint import TensorRecord
-from torch import nn
-
-import slim_mha
-from slim_mha import SlimMultiheadAttention
-from slim_mha.bias import FORMAT_VERSION
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"
@@ -100,7 +101,9 @@ def test_each_header_is_parsed_once_and_each_tensor_read_once(tmp_path, monkeypa
     the counts here would grow with the number of modules."""
     counts = []
     for modules in (2, 12):
-        source = _many_modules(tmp_path / f"stock{modules}", modules, key_bias_free_layout=operation == "to_stock_verify")
+        source = _many_modules(
+            tmp_path / f"stock{modules}", modules, key_bias_free_layout=operation == "to_stock_verify"
+        )
         headers, reads = _count_reading(monkeypatch)
         if operation == "inspect":
             inspect_checkpoint(source)
@@ -152,8 +155,10 @@ def test_a_file_that_shrank_after_opening_is_reported(tmp_path):
 def zero_attn_stock(tmp_path):
     stock = stock_attention(add_zero_attn=True, seed=3)
     path = tmp_path / "stock.safetensors"
-    save_file({**prefixed(stock, "attn."), **prefixed(stock_attention(seed=6), "plain."), "other.weight": torch.randn(4)},
-              path)
+    save_file(
+        {**prefixed(stock, "attn."), **prefixed(stock_attention(seed=6), "plain."), "other.weight": torch.randn(4)},
+        path,
+    )
     return stock, path
 
 
@@ -169,7 +174,10 @@ def test_zero_attn_mark_survives_a_round_trip_api(tmp_path, zero_attn_stock):
         "nothing to fold (add_zero_attn: the zero key makes the key bias matter; stock's layout kept)"
     )
     # Folding the folded file again has nothing to do, and says why: the mark was read back.
-    with pytest.raises(ValueError, match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)",
+    ):
         fold_checkpoint(tmp_path / "folded.safetensors", tmp_path / "again.safetensors", verify=True)
     assert not (tmp_path / "again.safetensors").exists()
     assert torch.equal(load_file(tmp_path / "folded.safetensors")["attn.in_proj_bias"], stock.in_proj_bias.detach())
@@ -182,7 +190,14 @@ def test_zero_attn_mark_survives_a_round_trip_cli(tmp_path, zero_attn_stock, cap
     folded, again = tmp_path / "folded.safetensors", tmp_path / "again.safetensors"
     assert run_cli(["fold", source, folded, "--zero-attn", "attn", "--verify"], capsys)[0] == 0
     code, out, err = run_cli(["fold", folded, again, "--verify"], capsys)
-    assert code == 3 and re.search(r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)", err) and not again.exists()  # the same status as strip's
+    assert (
+        code == 3
+        and re.search(
+            r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)",
+            err,
+        )
+        and not again.exists()
+    )  # the same status as strip's
     code, out, _ = run_cli(["inspect", folded], capsys)
     assert any(line.startswith("attn: ") and line.endswith("add_zero_attn yes") for line in out.splitlines())
     assert torch.equal(load_file(folded)["attn.in_proj_bias"], stock.in_proj_bias.detach())
@@ -196,7 +211,10 @@ def test_sharded_round_trip_reads_the_mark_from_the_index_and_shards(tmp_path):
     fold_checkpoint(source, tmp_path / "folded", zero_attn=["dec.*"])
     index = json.loads((tmp_path / "folded" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["slim_mha.zero_attn_modules"] == "dec.attn"
-    with pytest.raises(ValueError, match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing to do: of its 2 attention modules, 1 has its key slot at zero already and 1 keeps its key bias \(add_zero_attn\)",
+    ):
         fold_checkpoint(tmp_path / "folded", tmp_path / "again", verify=True)
     report = inspect_checkpoint(tmp_path / "folded")
     assert [(module.name, module.zero_attn) for module in report.modules] == [("dec.attn", True), ("enc.attn", False)]
@@ -263,8 +281,9 @@ def test_a_newer_or_edited_format_version_is_refused(tmp_path):
 
 
 def _transformer() -> nn.Transformer:
-    return nn.Transformer(d_model=16, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
-                          dropout=0.0)
+    return nn.Transformer(
+        d_model=16, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32, dropout=0.0
+    )
 
 
 def _transformer_outputs(model: nn.Transformer) -> torch.Tensor:
@@ -307,7 +326,9 @@ def test_sharded_bin_checkpoint(tmp_path, through):
     report = fold_checkpoint(argument, tmp_path / "slim", verify=True)
     assert tree_digest(source) == before
     assert report.shards == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-    written = sorted(path.name for path in (tmp_path / "slim").iterdir() if path.name.endswith((".json", ".safetensors")))
+    written = sorted(
+        path.name for path in (tmp_path / "slim").iterdir() if path.name.endswith((".json", ".safetensors"))
+    )
     assert written == [*report.shards, "model.safetensors.index.json"]
     _assert_slim_model_matches(stock, load_sharded(tmp_path / "slim"))
 
@@ -360,8 +381,12 @@ def test_lightning_checkpoint_is_read_like_a_pt(tmp_path):
         "pytorch-lightning_version": "2.4.0",
         "state_dict": {f"model.{key}": value.detach().clone() for key, value in stock.state_dict().items()},
         "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 4, "completed": 3}}}},
-        "callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": {"best_model_score": torch.tensor(0.25),
-                                                                 "best_model_path": "epoch=2.ckpt"}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_model_path": "epoch=2.ckpt",
+            }
+        },
         "optimizer_states": [optimizer.state_dict()],
         "lr_schedulers": [],
         "hparams_name": "kwargs",
@@ -384,6 +409,7 @@ def test_lightning_checkpoint_is_read_like_a_pt(tmp_path):
 @pytest.fixture
 def no_hang():
     """Fail instead of hanging: opening a named pipe blocks until a writer appears."""
+
     def expire(signum, frame):
         raise TimeoutError("the run blocked on a special file")
 
@@ -427,8 +453,11 @@ def two_shards(tmp_path):
 
 @pytest.mark.parametrize(
     ("make", "problem"),
-    [(os.mkfifo, "is a named pipe (FIFO), not a regular file"), (os.mkdir, "is a directory, not a file"),
-     (lambda path: os.symlink(path.parent / "gone.safetensors", path), "is a dangling symbolic link")],
+    [
+        (os.mkfifo, "is a named pipe (FIFO), not a regular file"),
+        (os.mkdir, "is a directory, not a file"),
+        (lambda path: os.symlink(path.parent / "gone.safetensors", path), "is a dangling symbolic link"),
+    ],
     ids=["fifo", "directory", "dangling_symlink"],
 )
 def test_a_shard_that_is_not_a_file_is_named_truthfully(tmp_path, two_shards, no_hang, make, problem):
@@ -512,7 +541,9 @@ def test_names_with_control_characters_are_shown_escaped(tmp_path, capsys):
     )
     assert refusal(ValueError, fold_checkpoint, odd, tmp_path / "out.safetensors") == expected
     assert run_cli(["fold", odd, tmp_path / "out.safetensors"], capsys) == (
-        1, "", f"slim-mha-migrate fold: error: {expected}\n"
+        1,
+        "",
+        f"slim-mha-migrate fold: error: {expected}\n",
     )
 
 
@@ -538,8 +569,14 @@ def test_inspect_and_fold_agree_on_a_checkpoint_without_biases(tmp_path, capsys)
             f"{path}: nothing to do: its attention module 'attn' has no input biases (bias=False); nothing was written"
         )
     mixed = tmp_path / "mixed.safetensors"
-    save_file({**prefixed(stock_attention(bias=False), "a."), **prefixed(stock_attention(bias=False), "b."),
-               **prefixed(stock_attention(), "c.")}, mixed)
+    save_file(
+        {
+            **prefixed(stock_attention(bias=False), "a."),
+            **prefixed(stock_attention(bias=False), "b."),
+            **prefixed(stock_attention(), "c."),
+        },
+        mixed,
+    )
     strip_checkpoint(mixed, tmp_path / "slim.safetensors")
     assert refusal(ValueError, strip_checkpoint, tmp_path / "slim.safetensors", tmp_path / "again.safetensors") == (
         f"{tmp_path / 'slim.safetensors'}: nothing to do: of its 3 attention modules, 1 is already in the slim "
@@ -554,8 +591,9 @@ def test_a_folder_with_both_layouts_is_read_through_its_safetensors(tmp_path):
     """Hugging Face repositories often hold both; transformers, too, prefers the safetensors files."""
     stock = stock_attention(seed=6)
     source = save_sharded(prefixed(stock, "attn."), tmp_path / "repo", [sorted(prefixed(stock, "attn."))])
-    torch.save({key: torch.zeros_like(value) for key, value in prefixed(stock, "attn.").items()},
-               source / "pytorch_model.bin")
+    torch.save(
+        {key: torch.zeros_like(value) for key, value in prefixed(stock, "attn.").items()}, source / "pytorch_model.bin"
+    )
     (source / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {}}))
     report = inspect_checkpoint(source)
     assert report.shards == ("model-00001-of-00001.safetensors",)

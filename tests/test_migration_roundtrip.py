@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _migration_checkpoints import load_sharded, randomize, save_sharded
-from _migration_helpers import private_ledger  # noqa: F401 (autouse)
-from _reference import assert_close_scaled
 from safetensors.torch import load_file, save_file
-from slim_mha.migration import fold_checkpoint, inspect_checkpoint
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 from torch import nn
 
 import slim_mha
+from slim_mha.migration import fold_checkpoint, inspect_checkpoint
+from slim_mha.migration._checkpoint import torch_reads_pickles_safely
+
+from _migration_checkpoints import load_sharded, randomize, save_sharded
+from _migration_helpers import private_ledger  # noqa: F401 (autouse)
+from _reference import assert_close_scaled
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:enable_nested_tensor is True", "ignore:The PyTorch API of nested tensors"
@@ -37,8 +38,9 @@ def run(model: nn.Transformer, batch_first: bool) -> torch.Tensor:
     padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
     causal = nn.Transformer.generate_square_subsequent_mask(5)
     with torch.no_grad():
-        return model.eval()(source, target, tgt_mask=causal, src_key_padding_mask=padding,
-                            memory_key_padding_mask=padding)
+        return model.eval()(
+            source, target, tgt_mask=causal, src_key_padding_mask=padding, memory_key_padding_mask=padding
+        )
 
 
 def save(tensors: dict, tmp_path, layout: str):
@@ -74,7 +76,11 @@ def test_transformer_round_trip(tmp_path, layout, batch_first):
 
     with slim_mha.patched():
         patched = build(batch_first)
-    assert all(isinstance(m, slim_mha.SlimMultiheadAttention) for m in patched.modules() if isinstance(m, nn.MultiheadAttention))
+    assert all(
+        isinstance(m, slim_mha.SlimMultiheadAttention)
+        for m in patched.modules()
+        if isinstance(m, nn.MultiheadAttention)
+    )
     patched.load_state_dict(folded, strict=True)
     assert_close_scaled(run(patched, batch_first), expected, "slim model loading fold's output")
 

@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import save_file
+
 import slim_mha.migration._staging as staging_module
+from slim_mha.migration import fold_checkpoint
+
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import (  # noqa: F401 (private_ledger: autouse)
     OURS,
@@ -23,8 +27,6 @@ from _migration_helpers import (  # noqa: F401 (private_ledger: autouse)
     private_ledger,
     refusal,
 )
-from safetensors.torch import save_file
-from slim_mha.migration import fold_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
@@ -73,12 +75,14 @@ def test_force_refuses_a_subdirectory_named_like_a_shard(tmp_path, sharded):
     backup = out / "backup.safetensors"
     backup.mkdir()
     (backup / "weights.safetensors").write_bytes(b"the user's backup")
-    _force_refused(sharded, out, f"{out}: force=True would delete 'backup.safetensors', which is a directory"
-                   + _ENTRY_RULE)
+    _force_refused(
+        sharded, out, f"{out}: force=True would delete 'backup.safetensors', which is a directory" + _ENTRY_RULE
+    )
 
 
-@pytest.mark.parametrize("entry", ["extra.safetensors", "model-00002-of-00003.safetensors"],
-                         ids=["other_name", "even_under_a_shard_name"])
+@pytest.mark.parametrize(
+    "entry", ["extra.safetensors", "model-00002-of-00003.safetensors"], ids=["other_name", "even_under_a_shard_name"]
+)
 def test_force_refuses_a_symlink_entry(tmp_path, sharded, entry):
     out = tmp_path / "out"
     fold_checkpoint(sharded, out)
@@ -93,8 +97,9 @@ def test_force_refuses_a_file_this_output_does_not_write(tmp_path, sharded):
     out = tmp_path / "out"
     fold_checkpoint(sharded, out)
     (out / "notes.txt").write_text("mine")
-    _force_refused(sharded, out, f"{out}: force=True would delete 'notes.txt', which this output does not write"
-                   + _ENTRY_RULE)
+    _force_refused(
+        sharded, out, f"{out}: force=True would delete 'notes.txt', which this output does not write" + _ENTRY_RULE
+    )
 
 
 def test_force_replaces_a_previous_output_sharded_differently(tmp_path, sharded):
@@ -107,8 +112,11 @@ def test_force_replaces_a_previous_output_sharded_differently(tmp_path, sharded)
     (out / "model.safetensors.index.json").write_text(index)
     fold_checkpoint(sharded, out, force=True)
     assert sorted(os.listdir(out)) == [
-        "config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors", "model.safetensors.index.json",
+        "config.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
     ]
 
 
@@ -116,16 +124,23 @@ def test_force_refuses_a_file_destination_that_is_a_symlink(tmp_path):
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "in.safetensors")
     (tmp_path / "target.safetensors").write_bytes(b"keep")
     os.symlink(tmp_path / "target.safetensors", tmp_path / "out.safetensors")
-    _force_refused(tmp_path / "in.safetensors", tmp_path / "out.safetensors",
-                   f"{tmp_path / 'out.safetensors'}: is a symbolic link; force=True replaces only a regular file: "
-                   "remove the link or choose another DST")
+    _force_refused(
+        tmp_path / "in.safetensors",
+        tmp_path / "out.safetensors",
+        f"{tmp_path / 'out.safetensors'}: is a symbolic link; force=True replaces only a regular file: "
+        "remove the link or choose another DST",
+    )
 
 
 def test_a_directory_destination_that_is_a_symlink_is_refused(tmp_path, sharded):
     fold_checkpoint(sharded, tmp_path / "real_out")
     os.symlink(tmp_path / "real_out", tmp_path / "out")
-    _force_refused(sharded, tmp_path / "out", f"{tmp_path / 'out'}: is a symbolic link; the output folder is put in "
-                   "place as a whole, so DST must be a real folder: give the link's target, or choose another DST")
+    _force_refused(
+        sharded,
+        tmp_path / "out",
+        f"{tmp_path / 'out'}: is a symbolic link; the output folder is put in "
+        "place as a whole, so DST must be a real folder: give the link's target, or choose another DST",
+    )
 
 
 # ---------------------------------------------------------------------------------- inputs through symlinks
@@ -139,10 +154,14 @@ def test_symlinked_shards_protect_their_targets(tmp_path, sharded):
     for name in os.listdir(sharded):
         os.symlink(sharded / name, links / name)
     index = links / "model.safetensors.index.json"  # opened first, and judged before a byte is read
-    _force_refused(links, sharded, (
-        f"{index}: a symbolic link that leads outside SRC, to {sharded / index.name}; its data would be copied "
-        "into DST: copy the file into SRC, or pass follow_outside_links=True if you trust where it leads"
-    ))
+    _force_refused(
+        links,
+        sharded,
+        (
+            f"{index}: a symbolic link that leads outside SRC, to {sharded / index.name}; its data would be copied "
+            "into DST: copy the file into SRC, or pass follow_outside_links=True if you trust where it leads"
+        ),
+    )
     shard = links / "model-00001-of-00003.safetensors"
     message = (
         f"{sharded}: DST would overwrite the input {shard} (through its link, {sharded / shard.name}); "
@@ -155,16 +174,22 @@ def test_a_symlinked_single_file_protects_its_target(tmp_path):
     real = tmp_path / "real.safetensors"
     save_file(prefixed(stock_attention(), "attn."), real)
     os.symlink(real, tmp_path / "link.safetensors")
-    _force_refused(tmp_path / "link.safetensors", real,
-                   f"{real}: DST would overwrite the input {tmp_path / 'link.safetensors'}; write to another path")
+    _force_refused(
+        tmp_path / "link.safetensors",
+        real,
+        f"{real}: DST would overwrite the input {tmp_path / 'link.safetensors'}; write to another path",
+    )
 
 
 def test_a_hard_link_to_the_input_is_the_input(tmp_path):
     real = tmp_path / "real.safetensors"
     save_file(prefixed(stock_attention(), "attn."), real)
     os.link(real, tmp_path / "same.safetensors")
-    _force_refused(real, tmp_path / "same.safetensors",
-                   f"{tmp_path / 'same.safetensors'}: DST would overwrite the input {real}; write to another path")
+    _force_refused(
+        real,
+        tmp_path / "same.safetensors",
+        f"{tmp_path / 'same.safetensors'}: DST would overwrite the input {real}; write to another path",
+    )
 
 
 def test_a_companion_reached_through_a_symlink_is_protected(tmp_path, sharded):
@@ -173,8 +198,13 @@ def test_a_companion_reached_through_a_symlink_is_protected(tmp_path, sharded):
     fold_checkpoint(sharded, out)
     (sharded / "config.json").unlink()
     os.symlink(out / "config.json", sharded / "config.json")
-    _force_refused(sharded, out, f"{out}: DST would overwrite the input {sharded / 'config.json'} (through its "
-                   f"link, {out / 'config.json'}); write to another path", follow_outside_links=True)
+    _force_refused(
+        sharded,
+        out,
+        f"{out}: DST would overwrite the input {sharded / 'config.json'} (through its "
+        f"link, {out / 'config.json'}); write to another path",
+        follow_outside_links=True,
+    )
 
 
 # ---------------------------------------------------------------------------------- staging and swapping
@@ -240,7 +270,9 @@ def test_fallback_without_exchange_replaces_and_rolls_back_on_failure(tmp_path, 
         real_rename(source, target)
 
     monkeypatch.setattr(staging_module.os, "rename", second_rename_fails)
-    with pytest.raises(OSError, match=re.escape(f"{out}: cannot write the output (Permission denied); {out} was left as it was")):
+    with pytest.raises(
+        OSError, match=re.escape(f"{out}: cannot write the output (Permission denied); {out} was left as it was")
+    ):
         fold_checkpoint(sharded, out, force=True)
     assert tree_digest(out) == old and _litter(tmp_path) == []
     aside, staged = renames[0][1], renames[1][0]
@@ -342,9 +374,14 @@ def test_dry_run_leaves_litter_alone(tmp_path, sharded):
 def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, sharded, monkeypatch):
     events = []
     real_fsync, real_rename, real_syncfs = os.fsync, staging_module._renameat2, staging_module._syncfs
-    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
-    monkeypatch.setattr(staging_module, "_syncfs",
-                        lambda fd: events.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}"))) or real_syncfs(fd))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd)
+    )
+    monkeypatch.setattr(
+        staging_module,
+        "_syncfs",
+        lambda fd: events.append(("syncfs", os.readlink(f"/proc/self/fd/{fd}"))) or real_syncfs(fd),
+    )
     monkeypatch.setattr(staging_module, "_renameat2", lambda *args: events.append(("rename",)) or real_rename(*args))
     fold_checkpoint(sharded, tmp_path / "out")
     rename = events.index(("rename",))
@@ -353,10 +390,12 @@ def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, sharded, monk
     assert staging_name.startswith(".out.slim-mha-staging-")
     assert events[0] == ("syncfs", events[rename - 1][1])  # the companions (config.json), all in one call
     assert sorted(synced[1:-1]) == [
-        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors", "model.safetensors.index.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
     ]
-    assert events[rename + 1:] == [("fsync", str(tmp_path))]  # and the folder holding DST, after
+    assert events[rename + 1 :] == [("fsync", str(tmp_path))]  # and the folder holding DST, after
 
 
 # ---------------------------------------------------------------------------------- real kills
@@ -370,7 +409,11 @@ def _start(source: Path, destination: Path, pause: str, ready: Path, *options: s
     }
     return subprocess.Popen(
         [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(destination), *options],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, preexec_fn=default_sigint,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        preexec_fn=default_sigint,
     )
 
 
@@ -415,7 +458,8 @@ def test_killed_mid_write(tmp_path, sharded, kill, existing):
         assert process.returncode == 128 + signal.SIGTERM and stdout == ""
         state = f": {out} was left as it was" if existing else ""
         assert stderr == f"slim-mha-migrate fold: interrupted; nothing was written{state}\n".replace(
-            "slim-mha-migrate", "python -m slim_mha.migration")
+            "slim-mha-migrate", "python -m slim_mha.migration"
+        )
         assert _litter(tmp_path) == []
     else:
         assert process.returncode == -signal.SIGKILL

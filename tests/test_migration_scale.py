@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
+from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
+from slim_mha.migration._checkpoint import TensorRecord
+
 from _migration_checkpoints import (
     key_bias_free,
     prefixed,
@@ -17,9 +22,6 @@ from _migration_checkpoints import (
     stock_attention,
 )
 from _migration_helpers import private_ledger  # noqa: F401 (autouse)
-from safetensors.torch import save_file
-from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
-from slim_mha.migration._checkpoint import TensorRecord
 
 
 def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
@@ -28,8 +30,11 @@ def test_fold_reads_only_the_biases_it_rewrites(tmp_path, monkeypatch):
         **prefixed(stock_attention(seed=1), "b."),
         "big.weight": torch.randn(64, 64),
     }
-    save_sharded(tensors, tmp_path / "ckpt", [[k for k in tensors if not k.startswith("b.")],
-                                              [k for k in tensors if k.startswith("b.")]])
+    save_sharded(
+        tensors,
+        tmp_path / "ckpt",
+        [[k for k in tensors if not k.startswith("b.")], [k for k in tensors if k.startswith("b.")]],
+    )
     reads = []
     real_read = TensorRecord.read
 
@@ -66,7 +71,10 @@ print(start, status("VmHWM"))
 def _extra_memory(*argv: str) -> int:
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(
-        [sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _CHILD, *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert result.returncode == 0, result.stderr

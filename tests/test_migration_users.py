@@ -8,8 +8,10 @@ import struct
 
 import pytest
 import torch
-from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 from safetensors.torch import load_file, save_file
+from torch import nn
+
+import slim_mha
 from slim_mha.migration import (
     fold_checkpoint,
     fold_state_dict,
@@ -18,9 +20,8 @@ from slim_mha.migration import (
     to_stock_state_dict,
 )
 from slim_mha.migration._checkpoint import torch_reads_pickles_safely
-from torch import nn
 
-import slim_mha
+from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
 E = 64
 
@@ -61,10 +62,15 @@ def test_fold_with_the_key_slots_already_zero_has_nothing_to_do_as_strip_does(tm
     folded = tmp_path / "folded.safetensors"
     assert run_cli(["fold", layer_file, folded], capsys)[0] == 0
     code, out, err = run_cli(["fold", folded, tmp_path / "again.safetensors"], capsys)
-    assert (code, out) == (3, "") and "nothing to do: its attention module 'self_attn' has its key slot at zero already" in err
+    assert (code, out) == (
+        3,
+        "",
+    ) and "nothing to do: its attention module 'self_attn' has its key slot at zero already" in err
     stripped = tmp_path / "stripped.safetensors"
     assert run_cli(["strip", layer_file, stripped], capsys)[0] == 0
-    assert run_cli(["strip", stripped, tmp_path / "again.safetensors"], capsys)[0] == 3  # the same status: nothing to do
+    assert (
+        run_cli(["strip", stripped, tmp_path / "again.safetensors"], capsys)[0] == 3
+    )  # the same status: nothing to do
     assert not (tmp_path / "again.safetensors").exists()
 
 
@@ -93,7 +99,9 @@ def test_a_dst_folder_for_a_single_file_receives_it_under_the_sources_name(tmp_p
 
 def test_a_dry_run_previews_into_a_folder_not_made_yet_and_over_an_output_with_force(tmp_path, layer_file, capsys):
     code, out, _ = run_cli(["fold", layer_file, tmp_path / "new" / "x.safetensors", "--dry-run"], capsys)
-    assert code == 0 and "dry run: would write" in out and "new does not exist yet: create it before the real run" in out
+    assert (
+        code == 0 and "dry run: would write" in out and "new does not exist yet: create it before the real run" in out
+    )
     assert not (tmp_path / "new").exists()
     done = tmp_path / "done.safetensors"
     assert run_cli(["fold", layer_file, done], capsys)[0] == 0
@@ -139,7 +147,9 @@ def test_state_dicts_convert_in_memory_as_files_do_and_the_input_is_untouched():
     back = to_stock_state_dict(stripped)
     assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)
     assert folded is not state and not torch.any(folded["self_attn.in_proj_bias"][E : 2 * E])
-    assert "self_attn.in_proj_bias" not in stripped and {"self_attn.q_proj_bias", "self_attn.v_proj_bias"} <= set(stripped)
+    assert "self_attn.in_proj_bias" not in stripped and {"self_attn.q_proj_bias", "self_attn.v_proj_bias"} <= set(
+        stripped
+    )
     assert folded["linear1.weight"] is state["linear1.weight"]  # what the mode leaves alone is the input's own
     x = torch.randn(2, 7, E)
     expected = stock(x)
@@ -154,7 +164,9 @@ def test_state_dicts_take_the_files_checks():
     with pytest.raises(ValueError, match=r"state_dict\['step'\] is an int, not a tensor"):
         fold_state_dict({"step": 3})
     attention = nn.MultiheadAttention(E, 4, add_bias_kv=True)
-    with pytest.raises(ValueError, match=r"bias_k is present .* use fold, which folds it into bias_k; the state dict was not changed"):
+    with pytest.raises(
+        ValueError, match=r"bias_k is present .* use fold, which folds it into bias_k; the state dict was not changed"
+    ):
         strip_state_dict(attention.state_dict())
     with pytest.raises(ValueError, match="matches no attention module"):
         fold_state_dict(attention.state_dict(), zero_attn=["decoder.*"])

@@ -10,12 +10,13 @@ import types
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention, is_patched, patch, patched, unpatch
 from slim_mha.patching import PatchedMultiheadAttention
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 TORCH_NAMESPACES = (
     "torch.nn",
@@ -294,8 +295,10 @@ def test_public_api_is_exported():
         assert name in slim_mha.__all__ and callable(getattr(slim_mha, name))
 
 
-@pytest.mark.parametrize("first", ["import slim_mha", "import slim_mha.conversion", "import slim_mha.migration.cli",
-                                   "from slim_mha import *"])
+@pytest.mark.parametrize(
+    "first",
+    ["import slim_mha", "import slim_mha.conversion", "import slim_mha.migration.cli", "from slim_mha import *"],
+)
 def test_package_names_are_the_documented_objects_whatever_is_imported_first(first):
     # The package binds its names on first use (so the migration CLI can import torch inside its
     # Ctrl-C guard); no submodule shares a name with a public function, whatever is imported first.
@@ -323,4 +326,4 @@ print(torch_before)
 
 def test_unknown_package_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
-        slim_mha.no_such_name
+        _ = slim_mha.no_such_name

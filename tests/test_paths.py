@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha._stock_checks import AttentionCall
+from slim_mha.paths import choose_path
+
 from _reference import (
     STOCK_MHA,
     assert_matches_stock,
     float64_reference,
     randomize_parameters,
 )
-from torch.profiler import ProfilerActivity, profile
-
-from slim_mha import SlimMultiheadAttention
-from slim_mha._stock_checks import AttentionCall
-from slim_mha.paths import choose_path
 
 E, H = 16, 4
 
@@ -29,8 +30,16 @@ def module(**options) -> SlimMultiheadAttention:
 def call(query, key=None, value=None, *, need_weights=True, **masks) -> AttentionCall:
     key = query if key is None else key
     value = key if value is None else value
-    return AttentionCall(query, key, value, masks.get("key_padding_mask"), need_weights, masks.get("attn_mask"), True,
-                         masks.get("is_causal", False))
+    return AttentionCall(
+        query,
+        key,
+        value,
+        masks.get("key_padding_mask"),
+        need_weights,
+        masks.get("attn_mask"),
+        True,
+        masks.get("is_causal", False),
+    )
 
 
 SMALL = torch.randn(2, 6, E)
@@ -41,58 +50,172 @@ PADDING = torch.zeros(2, 6, dtype=torch.bool)
 TABLE = [
     # (what, module options, the call, grad, autocast, the path)
     ("stock's default call", {}, call(SMALL), False, False, "stock kernel"),
-    ("stock's default call, sequence-first", {"batch_first": False}, call(SMALL.transpose(0, 1)), False, False,
-     "stock kernel"),
+    (
+        "stock's default call, sequence-first",
+        {"batch_first": False},
+        call(SMALL.transpose(0, 1)),
+        False,
+        False,
+        "stock kernel",
+    ),
     ("small, without weights (fp32)", {}, call(SMALL, need_weights=False), False, False, "stock kernel"),
     ("large, without weights", {}, call(LARGE, need_weights=False), False, False, "sdpa"),
     ("small, without weights, odd heads", {"heads": 1}, call(SMALL, need_weights=False), False, False, "sdpa"),
     ("small cross-attention with weights, batch-first, no graph", {}, call(SMALL, OTHER), False, False, "stock ops"),
-    ("cross-attention with weights, batch-first, no graph, 64 KiB of scores (slim's one pass)", {},
-     call(torch.randn(4, 32, E), torch.randn(4, 32, E)), False, False, "general"),
+    (
+        "cross-attention with weights, batch-first, no graph, 64 KiB of scores (slim's one pass)",
+        {},
+        call(torch.randn(4, 32, E), torch.randn(4, 32, E)),
+        False,
+        False,
+        "general",
+    ),
     ("the same, 32 KiB", {}, call(torch.randn(2, 32, E), torch.randn(2, 32, E)), False, False, "stock ops"),
-    ("the same, 64 KiB, training with a graph", {}, call(torch.randn(4, 32, E), torch.randn(4, 32, E)), True, False,
-     "stock ops"),
-    ("small cross-attention with weights, batch-first, training with a graph", {}, call(SMALL, OTHER), True, False,
-     "stock ops"),
-    ("small cross-attention with weights, sequence-first", {"batch_first": False},
-     call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)), False, False, "stock ops"),
-    ("small, three inputs, with weights, sequence-first", {"batch_first": False},
-     call(SMALL.transpose(0, 1), OTHER.transpose(0, 1), OTHER.transpose(0, 1).clone()), False, False, "stock ops"),
+    (
+        "the same, 64 KiB, training with a graph",
+        {},
+        call(torch.randn(4, 32, E), torch.randn(4, 32, E)),
+        True,
+        False,
+        "stock ops",
+    ),
+    (
+        "small cross-attention with weights, batch-first, training with a graph",
+        {},
+        call(SMALL, OTHER),
+        True,
+        False,
+        "stock ops",
+    ),
+    (
+        "small cross-attention with weights, sequence-first",
+        {"batch_first": False},
+        call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)),
+        False,
+        False,
+        "stock ops",
+    ),
+    (
+        "small, three inputs, with weights, sequence-first",
+        {"batch_first": False},
+        call(SMALL.transpose(0, 1), OTHER.transpose(0, 1), OTHER.transpose(0, 1).clone()),
+        False,
+        False,
+        "stock ops",
+    ),
     ("small, with weights, training with a graph", {}, call(SMALL), True, False, "stock ops"),
     ("small, with weights, attention dropout", {"dropout": 0.5}, call(SMALL), True, False, "stock ops"),
-    ("small, with weights, odd heads, sequence-first", {"heads": 1, "batch_first": False},
-     call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)), False, False, "stock ops"),
+    (
+        "small, with weights, odd heads, sequence-first",
+        {"heads": 1, "batch_first": False},
+        call(SMALL.transpose(0, 1), OTHER.transpose(0, 1)),
+        False,
+        False,
+        "stock ops",
+    ),
     ("small, with weights, under autocast on the CPU, training", {}, call(SMALL, OTHER), True, True, "stock ops"),
-    ("small, with weights, in fp16 (not measured)", {"dtype": torch.float16}, call(SMALL.half(), OTHER.half()), False,
-     False, "general"),
-    ("small, with weights, a padding mask", {}, call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
-     False, False, "general"),
-    ("small, with weights, a causal mask", {}, call(SMALL, attn_mask=torch.ones(6, 6).triu(1).bool(), is_causal=True),
-     True, False, "general"),
-    ("small, with weights, kdim and vdim", {"kdim": 8, "vdim": 8}, call(SMALL, torch.randn(2, 9, 8)), False, False,
-     "general"),
-    ("small, with weights, keys of another batch (stock's error)", {}, call(SMALL, torch.randn(3, 9, E)), False, False,
-     "general"),
-    ("small, with weights, keys and values of other lengths (stock's error)", {},
-     call(SMALL, OTHER, torch.randn(2, 8, E)), False, False, "general"),
-    ("cross-attention with weights, 256 KiB of fp32 scores: the largest stock's ops take", {"batch_first": False},
-     call(torch.randn(64, 4, E), torch.randn(64, 4, E)), False, False, "stock ops"),
-    ("cross-attention with weights, one key more", {"batch_first": False},
-     call(torch.randn(64, 4, E), torch.randn(65, 4, E)), False, False, "general"),
-    ("medium cross-attention with weights, sequence-first", {"batch_first": False},
-     call(torch.randn(64, 8, E), torch.randn(64, 8, E)), False, False, "general"),
+    (
+        "small, with weights, in fp16 (not measured)",
+        {"dtype": torch.float16},
+        call(SMALL.half(), OTHER.half()),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "small, with weights, a padding mask",
+        {},
+        call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "small, with weights, a causal mask",
+        {},
+        call(SMALL, attn_mask=torch.ones(6, 6).triu(1).bool(), is_causal=True),
+        True,
+        False,
+        "general",
+    ),
+    (
+        "small, with weights, kdim and vdim",
+        {"kdim": 8, "vdim": 8},
+        call(SMALL, torch.randn(2, 9, 8)),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "small, with weights, keys of another batch (stock's error)",
+        {},
+        call(SMALL, torch.randn(3, 9, E)),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "small, with weights, keys and values of other lengths (stock's error)",
+        {},
+        call(SMALL, OTHER, torch.randn(2, 8, E)),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "cross-attention with weights, 256 KiB of fp32 scores: the largest stock's ops take",
+        {"batch_first": False},
+        call(torch.randn(64, 4, E), torch.randn(64, 4, E)),
+        False,
+        False,
+        "stock ops",
+    ),
+    (
+        "cross-attention with weights, one key more",
+        {"batch_first": False},
+        call(torch.randn(64, 4, E), torch.randn(65, 4, E)),
+        False,
+        False,
+        "general",
+    ),
+    (
+        "medium cross-attention with weights, sequence-first",
+        {"batch_first": False},
+        call(torch.randn(64, 8, E), torch.randn(64, 8, E)),
+        False,
+        False,
+        "general",
+    ),
     ("under autocast, cross-attention", {}, call(SMALL, OTHER, need_weights=False), False, True, "general"),
-    ("under autocast on the CPU, stock's default call (stock: its fp32 kernel)", {}, call(LARGE, need_weights=False), False, True,
-     "stock kernel"),
+    (
+        "under autocast on the CPU, stock's default call (stock: its fp32 kernel)",
+        {},
+        call(LARGE, need_weights=False),
+        False,
+        True,
+        "stock kernel",
+    ),
     ("large cross-attention with weights", {}, call(LARGE, torch.randn(8, 200, E)), False, False, "general"),
-    ("self-attention with a padding mask, eval (stock: its kernel)", {}, call(SMALL, key_padding_mask=PADDING),
-     False, False, "general"),
+    (
+        "self-attention with a padding mask, eval (stock: its kernel)",
+        {},
+        call(SMALL, key_padding_mask=PADDING),
+        False,
+        False,
+        "general",
+    ),
     ("large, without weights, with a graph", {}, call(LARGE, need_weights=False), True, False, "general"),
     ("appended tokens", {"add_bias_kv": True}, call(SMALL), False, False, "general"),
     ("the equivariance check", {"check_equivariance": True}, call(SMALL), False, False, "general"),
     ("an unbatched input", {}, call(SMALL[0]), False, False, "general"),
-    ("nested tensors", {}, call(torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)])), False, False,
-     "nested"),
+    (
+        "nested tensors",
+        {},
+        call(torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)])),
+        False,
+        False,
+        "nested",
+    ),
 ]
 
 
@@ -154,7 +277,10 @@ def test_stocks_default_call_runs_stocks_native_kernel_for_slim_too(need_weights
             assert "aten::_native_multi_head_attention" in ops, sorted(ops)
         # and the same outputs: stock's kernel on both sides (autocast rounds stock's added q·b_k, so
         # under it both are measured against a float64 run)
-        expected, actual = stock(SMALL, SMALL, SMALL, need_weights=need_weights), slim(SMALL, SMALL, SMALL, need_weights=need_weights)
+        expected, actual = (
+            stock(SMALL, SMALL, SMALL, need_weights=need_weights),
+            slim(SMALL, SMALL, SMALL, need_weights=need_weights),
+        )
     with torch.no_grad():
         reference = float64_reference(stock, SMALL, SMALL, SMALL, need_weights=need_weights)
     for a, e, r in zip(actual, expected, reference):

@@ -14,6 +14,13 @@ import contextlib
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
+
+import slim_mha.attention as attention
+from slim_mha import SlimMultiheadAttention
+from slim_mha.bench.matrix.contenders import fast_path_enabled
+from slim_mha.bench.measure.memory import profile_step
+
 from _plain_calls import (
     BATCH,
     EMBED,
@@ -32,12 +39,6 @@ from _plain_calls import (
     tokens,
 )
 from _reference import assert_close_scaled
-from torch.nn.utils import parametrize
-
-import slim_mha.attention as attention
-from slim_mha import SlimMultiheadAttention
-from slim_mha.bench.matrix.contenders import fast_path_enabled
-from slim_mha.bench.measure.memory import profile_step
 
 WITHOUT = {"need_weights": False}
 # Slim's own short path: not stock's kernel, which takes these small calls by default in fp32 and bf16.
@@ -82,8 +83,13 @@ def test_plain_calls_take_the_short_path_match_stock_and_the_general_path_bit_fo
 @pytest.mark.parametrize(
     "case",
     [
-        "frozen parameters, grad enabled", "training without dropout", "odd heads", "fast path disabled",
-        "a non-contiguous query", "skip unread weights", "sequence first, odd heads",
+        "frozen parameters, grad enabled",
+        "training without dropout",
+        "odd heads",
+        "fast path disabled",
+        "a non-contiguous query",
+        "skip unread weights",
+        "sequence first, odd heads",
     ],
 )
 def test_other_plain_calls_take_it_too(case, short_calls):
@@ -135,8 +141,15 @@ def test_its_peak_is_no_higher_than_the_general_paths(short_calls, monkeypatch):
 
 
 GENERAL_PATH = [
-    *REFUSED, "autocast", "dropout in training", "equivariance check", "parametrized bias", "vmap",
-    "tensor subclass", "empty batch", "nested",
+    *REFUSED,
+    "autocast",
+    "dropout in training",
+    "equivariance check",
+    "parametrized bias",
+    "vmap",
+    "tensor subclass",
+    "empty batch",
+    "nested",
 ]
 
 
@@ -200,4 +213,3 @@ def test_the_comparison_fails_when_the_short_path_gets_the_key_bias(short_calls,
         with pytest.raises(AssertionError):
             assert_like_stock(stock, slim, x, x, x, **WITHOUT)
     assert len(short_calls) == 1
-

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import slim_mha
-from slim_mha.bench.measure.memory import saved_tensor_bytes
 from slim_mha._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
+from slim_mha.bench.measure.memory import saved_tensor_bytes
 
 
 def saved_bytes(model: nn.Module, *inputs: torch.Tensor | None, **kwargs) -> int:
@@ -30,7 +30,9 @@ def saved_bytes(model: nn.Module, *inputs: torch.Tensor | None, **kwargs) -> int
 class Block(nn.Module):
     """A set-transformer block: attention, residual, LayerNorm, MLP."""
 
-    def __init__(self, width: int, heads: int, *, batch_first: bool, cross: bool, weights: bool, dropout: float) -> None:
+    def __init__(
+        self, width: int, heads: int, *, batch_first: bool, cross: bool, weights: bool, dropout: float
+    ) -> None:
         super().__init__()
         self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=batch_first)
         self.norm = nn.LayerNorm(width)
@@ -85,13 +87,20 @@ def test_four_stacked_blocks_save_no_more_than_stock():
 
 CONFIGS = list(
     itertools.product(
-        (torch.float32, torch.bfloat16), (True, False), ("self", "cross"), (False, True), ("none", "padding"), (0.0, 0.1)
+        (torch.float32, torch.bfloat16),
+        (True, False),
+        ("self", "cross"),
+        (False, True),
+        ("none", "padding"),
+        (0.0, 0.1),
     )
 )
 
 
 @pytest.mark.parametrize("dtype,batch_first,kind,weights,mask,dropout", CONFIGS)
-def test_stacked_blocks_save_no_more_than_stock_in_every_configuration(dtype, batch_first, kind, weights, mask, dropout):
+def test_stacked_blocks_save_no_more_than_stock_in_every_configuration(
+    dtype, batch_first, kind, weights, mask, dropout
+):
     stock, slim = stock_and_slim(
         lambda: Stack(2, batch_first=batch_first, cross=kind == "cross", weights=weights, dropout=dropout).to(dtype)
     )
@@ -127,7 +136,9 @@ def test_a_six_layer_encoder_with_padding_and_dropout_saves_no_more_than_stock(n
 def test_a_small_torchvision_vit_saves_no_more_than_stock():
     models = pytest.importorskip("torchvision.models")
     stock, slim = stock_and_slim(
-        lambda: models.VisionTransformer(image_size=32, patch_size=4, num_layers=6, num_heads=4, hidden_dim=128, mlp_dim=256)
+        lambda: models.VisionTransformer(
+            image_size=32, patch_size=4, num_layers=6, num_heads=4, hidden_dim=128, mlp_dim=256
+        )
     )
     images = torch.randn(2, 3, 32, 32, requires_grad=True)
     expected, actual = compare(stock, slim, images)

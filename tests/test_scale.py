@@ -17,7 +17,6 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _memory_guard as guard
@@ -26,6 +25,8 @@ from slim_mha.bench.scale import child as scale_child
 from slim_mha.bench.scale import report as scale_report
 from slim_mha.bench.scale import sweep as scale_sweep
 from slim_mha.bench.scale.cases import Series, Settings
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 POINT_CLOUD = {"shape": "point-cloud", "embed_dim": 64, "num_heads": 4}
 STOCK_INFERENCE = Series("stock", **POINT_CLOUD, mode="inference", padding_mask=False)
@@ -76,7 +77,9 @@ def test_weights_that_cannot_fit_fail_fast_with_our_message(grad, average):
     assert len(errors) == 1, "the call did not raise torch.OutOfMemoryError"
     message = str(errors[0])
     assert isinstance(errors[0], RuntimeError)  # what handlers written for stock's failure catch
-    assert message.startswith("need_weights=True: attention weights over 200,000 queries and 200,000 keys need at least ")
+    assert message.startswith(
+        "need_weights=True: attention weights over 200,000 queries and 200,000 keys need at least "
+    )
     assert "pass need_weights=False" in message and "DefaultCPUAllocator" not in message
     assert biggest < 64 << 20, f"an allocation of {biggest} bytes was attempted before refusing"
 
@@ -256,7 +259,9 @@ def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
 
 def test_system_available_counts_swap_and_strict_overcommit(tmp_path):
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 40 kB\nSwapFree: 10 kB\nCommitLimit: 70 kB\nCommitted_AS: 65 kB\n")
+    meminfo.write_text(
+        "MemTotal: 100 kB\nMemAvailable: 40 kB\nSwapFree: 10 kB\nCommitLimit: 70 kB\nCommitted_AS: 65 kB\n"
+    )
     overcommit = tmp_path / "overcommit"
     overcommit.write_text("0\n")
     assert guard._system_available(str(meminfo), str(overcommit)) == 50 * 1024
@@ -277,7 +282,9 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
     assert oom["status"] == "oom", oom
     assert "can't allocate memory" in oom["detail"]
     assert by_case[("stock point-cloud inference", 4100)] == {
-        **by_case[("stock point-cloud inference", 4100)], "status": "skipped", "detail": "OOM at N=4,096"
+        **by_case[("stock point-cloud inference", 4100)],
+        "status": "skipped",
+        "detail": "OOM at N=4,096",
     }
     assert "wall_s" not in by_case[("stock point-cloud inference", 4100)]  # no process was started
     for tokens in (4096, 4100):
@@ -287,9 +294,16 @@ def test_oom_in_a_child_is_recorded_and_the_sweep_goes_on():
     assert by_case[("slim point-cloud inference", 4096)]["stock_path"] is None
     assert result["stops"] == {"stock point-cloud inference": "OOM at N=4,096"}
 
-    payload = {"command": "test", "settings": dataclasses.asdict(settings), "cases": result["cases"], "stops": result["stops"],
-               "environment": {"device_name": "cpu", "cpu_count": 2, "torch_threads": 2, "torch": "x", "date": "d"},
-               "load_before": None, "load_after": None, "elapsed_s": result["elapsed_s"]}
+    payload = {
+        "command": "test",
+        "settings": dataclasses.asdict(settings),
+        "cases": result["cases"],
+        "stops": result["stops"],
+        "environment": {"device_name": "cpu", "cpu_count": 2, "torch_threads": 2, "torch": "x", "date": "d"},
+        "load_before": None,
+        "load_after": None,
+        "elapsed_s": result["elapsed_s"],
+    }
     markdown = scale_report.format_markdown(payload)
     assert "| 4,096 | **OOM** |" in markdown
     assert "* stock point-cloud inference: none (OOM at N=4,096)" in markdown
@@ -319,13 +333,18 @@ def fake_case(seconds_per_token_squared: float, fail_at: int | None = None):
 def test_curves_stop_on_failure_case_budget_and_extrapolation():
     run_case, calls = fake_case(1e-6, fail_at=2000)  # 1k tokens: 1 s, 2k: 4 s, 4k: 16 s
     settings = Settings(case_budget_s=10, budget_s=1000)
-    result = scale_sweep.run_sweep([STOCK_INFERENCE, SLIM_INFERENCE], [1000, 2000, 3000, 4000], settings, run_case=run_case)
+    result = scale_sweep.run_sweep(
+        [STOCK_INFERENCE, SLIM_INFERENCE], [1000, 2000, 3000, 4000], settings, run_case=run_case
+    )
     assert calls == [("stock", 1000), ("slim", 1000), ("stock", 2000), ("slim", 2000), ("slim", 3000)]
     assert result["stops"] == {
         "stock point-cloud inference": "killed at N=2,000",
         "slim point-cloud inference": "stopped before N=4,000: extrapolated 16 s > case budget 10 s",
     }
-    statuses = [(r["contender"] if "contender" in r else r["series"]["contender"], r["tokens"], r["status"]) for r in result["cases"]]
+    statuses = [
+        (r["contender"] if "contender" in r else r["series"]["contender"], r["tokens"], r["status"])
+        for r in result["cases"]
+    ]
     assert ("stock", 3000, "skipped") in statuses and ("slim", 4000, "skipped") in statuses
 
     run_case, calls = fake_case(1e-5)  # a call over the case budget stops its curve after it
@@ -358,7 +377,10 @@ def test_a_case_expected_to_exceed_the_memory_cap_runs_to_record_its_oom():
 def test_memory_is_extrapolated_quadratically_even_where_fixed_costs_flatten_it():
     """Stock measured at +36 MiB (1k) and +1,031 MiB (8k) has a local slope of 1.6, which predicts
     9.5 GiB at 32k; its N x N scores need 16 GiB there. The upper bound, 16.1 GiB, exceeds a 10 GiB cap."""
-    measured = [{"tokens": 1024, "time_s": 0.45, "peak_bytes": 36 << 20}, {"tokens": 8192, "time_s": 11.9, "peak_bytes": 1031 << 20}]
+    measured = [
+        {"tokens": 1024, "time_s": 0.45, "peak_bytes": 36 << 20},
+        {"tokens": 8192, "time_s": 11.9, "peak_bytes": 1031 << 20},
+    ]
     settings = Settings(case_budget_s=30, memory_cap_bytes=10 << 30)
     assert scale_sweep._over_time_budget(measured, 32768, settings) is None  # run it: it is expected to fail at once
     assert scale_sweep._over_time_budget(measured, 32768, Settings(case_budget_s=30, memory_cap_bytes=20 << 30)) == (
@@ -395,15 +417,28 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
     processes are tested above): wiring, JSON, Markdown and the plot."""
     monkeypatch.setattr(scale_sweep, "_run_child", scale_child.measure_case)
     path = tmp_path / "scale.json"
-    argv = ["scale", "--tokens", "64", "--shape", "point-cloud", "--mode", "inference",
-            "--padding-mask", "with", "--no-memory-cap", "--json", str(path)]
+    argv = [
+        "scale",
+        "--tokens",
+        "64",
+        "--shape",
+        "point-cloud",
+        "--mode",
+        "inference",
+        "--padding-mask",
+        "with",
+        "--no-memory-cap",
+        "--json",
+        str(path),
+    ]
     if importlib.util.find_spec("matplotlib") is None:
         argv.append("--no-plot")
     assert bench.main(argv) == 0
     payload = json.loads(path.read_text())
     assert payload["kind"] == "scale" and payload["settings"]["memory_cap_bytes"] is None
     assert [(r["name"], r["tokens"], r["status"]) for r in payload["cases"]] == [
-        ("stock point-cloud inference +mask", 64, "ok"), ("slim point-cloud inference +mask", 64, "ok"),
+        ("stock point-cloud inference +mask", 64, "ok"),
+        ("slim point-cloud inference +mask", 64, "ok"),
     ]
     assert payload["cases"][0]["stock_path"] == "native fast path"  # the path that holds N x N scores
     for record in payload["cases"]:  # one fault count per timed call
@@ -412,7 +447,10 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
     assert "**point-cloud (E=64, H=4), inference**" in markdown
     assert "| N | stock, padding mask | slim, padding mask |" in markdown
     stock_peak, slim_peak = (payload["cases"][i]["peak_bytes"] for i in (0, 1))
-    assert f"* point-cloud inference +mask, N=64: stock +{scale_report.format_mib(stock_peak)}, slim +{scale_report.format_mib(slim_peak)}" in markdown
+    assert (
+        f"* point-cloud inference +mask, N=64: stock +{scale_report.format_mib(stock_peak)}, slim +{scale_report.format_mib(slim_peak)}"
+        in markdown
+    )
     if "--no-plot" not in argv:
         assert path.with_suffix(".png").stat().st_size > 0
     captured = capsys.readouterr()

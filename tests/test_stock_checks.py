@@ -38,8 +38,7 @@ def tensor_of_dim(dim: int, length: int, width: int | None = None, batch: int = 
 
 def shape_cases():
     """Every dimension 1-4 of query, key and value; masks absent or of dimension 1-4."""
-    for q_dim, kv_dim, kpm_dim, mask_dim in itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (None, 1, 2, 3), (None, 1, 2, 3, 4)):
-        yield q_dim, kv_dim, kpm_dim, mask_dim
+    yield from itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (None, 1, 2, 3), (None, 1, 2, 3, 4))
 
 
 @pytest.mark.parametrize("q_dim, kv_dim, kpm_dim, mask_dim", list(shape_cases()))
@@ -102,9 +101,9 @@ def test_a_mask_of_another_dtype_is_refused_where_stock_refuses_it(dtype, mask_d
     """With weights stock adds the mask by ``baddbmm``, which refuses any dtype but the scores', in
     every mode; slim's passes without a graph add it in place and must refuse it too, not cast it.
     Without weights SDPA decides for both (it takes float32 masks for any query)."""
-    from _reference import STOCK_MHA
-
     from slim_mha import SlimMultiheadAttention
+
+    from _reference import STOCK_MHA
 
     torch.manual_seed(0)
     stock = STOCK_MHA(E, H, batch_first=True, dtype=dtype).train(train)
@@ -134,9 +133,9 @@ def test_a_mask_of_another_dtype_is_refused_where_stock_refuses_it(dtype, mask_d
 def test_under_autocast_a_float32_mask_is_cast_with_the_scores_as_on_stock():
     """Autocast casts ``baddbmm``'s mask with its matrices, so stock takes a float32 mask for bfloat16
     scores there; slim must not refuse what stock takes."""
-    from _reference import STOCK_MHA
-
     from slim_mha import SlimMultiheadAttention
+
+    from _reference import STOCK_MHA
 
     torch.manual_seed(0)
     stock = STOCK_MHA(E, H, batch_first=True).eval()

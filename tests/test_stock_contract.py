@@ -274,8 +274,13 @@ def masked_transformer_gradients(model, dtype, weighting, generator_seed=0):
     sparse = torch.rand(src_len, src_len, generator=generator) < 0.7
     sparse[:, 0] = False  # every query keeps one unpadded key: no row masked from every key
     out = model(
-        src, tgt, src_mask=sparse, tgt_mask=causal, src_key_padding_mask=src_padding,
-        tgt_key_padding_mask=tgt_padding, memory_key_padding_mask=src_padding,
+        src,
+        tgt,
+        src_mask=sparse,
+        tgt_mask=causal,
+        src_key_padding_mask=src_padding,
+        tgt_key_padding_mask=tgt_padding,
+        memory_key_padding_mask=src_padding,
     )
     (out.float() * weighting).sum().backward()
     gradients = {"src": src.grad, "tgt": tgt.grad}
@@ -327,7 +332,9 @@ class SelfAttention(nn.Module):
         return self.attention(x, x, x)[0]
 
 
-@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adam(p, lr=0.05)], ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    "make", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adam(p, lr=0.05)], ids=["sgd", "adam"]
+)
 def test_a_compiled_optimizer_step_over_in_proj_bias_trains_it_as_stock(make):
     stock, slim = stock_and_slim()
     for module in (stock, slim):
@@ -385,7 +392,9 @@ def test_autograd_hooks_and_targeted_backward_on_in_proj_bias_work_as_on_stock()
     accumulated = {}
     for module in (stock, slim):
         module.in_proj_bias.register_hook(lambda grad: grad * keep_query_slot)  # b_k and b_v frozen
-        module.in_proj_bias.register_post_accumulate_grad_hook(lambda p, m=module: accumulated.setdefault(id(m), []).append(1))
+        module.in_proj_bias.register_post_accumulate_grad_hook(
+            lambda p, m=module: accumulated.setdefault(id(m), []).append(1)
+        )
         optimizer = torch.optim.SGD(listed_parameters(module), lr=0.5)
         before = module.in_proj_bias.detach().clone()
         train_steps(module, optimizer)

@@ -14,6 +14,14 @@ import copy
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
+
+import slim_mha.attention as attention
+from slim_mha import SlimMultiheadAttention
+from slim_mha import _explicit_attention as explicit
+from slim_mha import _memory_guard as guard
+from slim_mha.bench.matrix.contenders import fast_path_enabled
+
 from _plain_calls import (
     BATCH,
     EMBED,
@@ -32,13 +40,6 @@ from _plain_calls import (
     tokens,
 )
 from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
-from torch.nn.utils import parametrize
-
-import slim_mha.attention as attention
-from slim_mha import SlimMultiheadAttention
-from slim_mha import _explicit_attention as explicit
-from slim_mha import _memory_guard as guard
-from slim_mha.bench.matrix.contenders import fast_path_enabled
 
 
 @pytest.fixture
@@ -69,14 +70,19 @@ def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(
         assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
     bias = kernel_calls[0][3]
     assert torch.equal(bias[EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))  # the key bias never reaches it
-    assert torch.equal(bias[:EMBED], slim.in_proj_bias[:EMBED]) and torch.equal(bias[2 * EMBED :], slim.in_proj_bias[2 * EMBED :])
+    assert torch.equal(bias[:EMBED], slim.in_proj_bias[:EMBED]) and torch.equal(
+        bias[2 * EMBED :], slim.in_proj_bias[2 * EMBED :]
+    )
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        "frozen parameters, grad enabled", "heads of 2", "a non-contiguous query",
-        "fp64 sizes", "a non-contiguous sequence-first query",
+        "frozen parameters, grad enabled",
+        "heads of 2",
+        "a non-contiguous query",
+        "fp64 sizes",
+        "a non-contiguous sequence-first query",
     ],
 )
 def test_other_calls_stocks_fast_path_would_take_take_it_too(case, kernel_calls):
@@ -126,7 +132,11 @@ def test_a_copy_and_a_state_dict_round_trip_take_it_and_agree(kernel_calls):
 
 
 GENERAL_PATH = [
-    *REFUSED, "odd heads", "sequence first, odd heads", "fast path disabled", "need_weights=False, large",
+    *REFUSED,
+    "odd heads",
+    "sequence first, odd heads",
+    "fast path disabled",
+    "need_weights=False, large",
     "training without dropout",  # stock's Python path: its (L, B, E) layout, which the kernel does not return
 ]
 
@@ -175,8 +185,17 @@ def _odd_head_modules(batch_first: bool = True):
 
 
 SLIM_OWN = [
-    "dropout in training", "equivariance check", "skip unread weights", "memory guard sizes", "forced blocks",
-    "parametrized bias", "vmap", "jit.trace", "tensor subclass", "empty batch", "nested",
+    "dropout in training",
+    "equivariance check",
+    "skip unread weights",
+    "memory guard sizes",
+    "forced blocks",
+    "parametrized bias",
+    "vmap",
+    "jit.trace",
+    "tensor subclass",
+    "empty batch",
+    "nested",
 ]
 
 

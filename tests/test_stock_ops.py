@@ -14,6 +14,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha._stock_checks import AttentionCall
+from slim_mha.paths import choose_path
+
 from _reference import (
     STOCK_MHA,
     assert_matches_stock,
@@ -21,26 +26,27 @@ from _reference import (
     randomize_parameters,
 )
 
-from slim_mha import SlimMultiheadAttention
-from slim_mha._stock_checks import AttentionCall
-from slim_mha.paths import choose_path
-
 
 def _cases(count: int = 48) -> list[dict]:
     rng = random.Random(20261205)
     cases = []
     for index in range(count):
         heads, head_dim = rng.choice((1, 2, 4)), rng.choice((2, 4, 8))
-        cases.append({
-            "id": index,
-            "batch": rng.randint(1, 4), "length": rng.randint(1, 12), "source": rng.randint(1, 12),
-            "heads": heads, "width": heads * head_dim,
-            "batch_first": rng.random() < 0.5,
-            "inputs": rng.choice(("self", "encoder-decoder", "three", "query is key")),
-            "mode": rng.choice(("inference", "training", "training with dropout")),
-            "average": rng.random() < 0.7,
-            "dtype": rng.choice(("float32", "float32", "bfloat16", "autocast")),
-        })
+        cases.append(
+            {
+                "id": index,
+                "batch": rng.randint(1, 4),
+                "length": rng.randint(1, 12),
+                "source": rng.randint(1, 12),
+                "heads": heads,
+                "width": heads * head_dim,
+                "batch_first": rng.random() < 0.5,
+                "inputs": rng.choice(("self", "encoder-decoder", "three", "query is key")),
+                "mode": rng.choice(("inference", "training", "training with dropout")),
+                "average": rng.random() < 0.7,
+                "dtype": rng.choice(("float32", "float32", "bfloat16", "autocast")),
+            }
+        )
     return cases
 
 
@@ -69,7 +75,9 @@ def _modules(case: dict, dtype: torch.dtype):
     stock = randomize_parameters(
         STOCK_MHA(case["width"], case["heads"], dropout=dropout, batch_first=case["batch_first"]), seed=case["id"]
     ).to(dtype)
-    slim = SlimMultiheadAttention(case["width"], case["heads"], dropout=dropout, batch_first=case["batch_first"]).to(dtype)
+    slim = SlimMultiheadAttention(case["width"], case["heads"], dropout=dropout, batch_first=case["batch_first"]).to(
+        dtype
+    )
     slim.load_state_dict(stock.state_dict())
     training = case["mode"] != "inference"
     return stock.train(training), slim.train(training)
@@ -85,8 +93,21 @@ def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: b
         transposed = {id(x): x.transpose(0, 1) for x in (query, key, value)}
         query, key, value = (transposed[id(x)] for x in (query, key, value))
     out, weights = F.multi_head_attention_forward(
-        query, key, value, width, slim.num_heads, slim.in_proj_weight, packed, None, None, False, slim.dropout,
-        slim.out_proj.weight, slim.out_proj.bias, training=slim.training, need_weights=True,
+        query,
+        key,
+        value,
+        width,
+        slim.num_heads,
+        slim.in_proj_weight,
+        packed,
+        None,
+        None,
+        False,
+        slim.dropout,
+        slim.out_proj.weight,
+        slim.out_proj.bias,
+        training=slim.training,
+        need_weights=True,
         average_attn_weights=average,
     )
     return (out.transpose(0, 1) if slim.batch_first else out), weights
@@ -124,7 +145,9 @@ def test_equals_stocks_function_given_the_same_bias(case):
     for actual, expected in zip(gradients, expected_gradients):
         assert torch.equal(actual, expected)
     width = slim.embed_dim
-    assert not gradients[1 + [name for name, _ in slim.named_parameters()].index("in_proj_bias")][width : 2 * width].any()
+    assert not gradients[1 + [name for name, _ in slim.named_parameters()].index("in_proj_bias")][
+        width : 2 * width
+    ].any()
 
 
 @pytest.mark.parametrize("case", CASES[:16], ids=[f"{c['id']}-{c['inputs']}-{c['mode']}" for c in CASES[:16]])
@@ -133,7 +156,9 @@ def test_as_exact_as_stock_against_a_float64_run(case):
     stock, slim = _modules({**case, "mode": "inference"}, torch.float32)
     query, key, value = _tokens(case, torch.Generator().manual_seed(case["id"]), torch.float32)
     # Grad enabled, as in training: without a graph stock's kernel takes eval self-attention.
-    assert choose_path(slim, AttentionCall(query, key, value, None, True, None, case["average"], False))[0] == "stock ops"
+    assert (
+        choose_path(slim, AttentionCall(query, key, value, None, True, None, case["average"], False))[0] == "stock ops"
+    )
     actual = slim(query, key, value, average_attn_weights=case["average"])
     expected = stock(query, key, value, average_attn_weights=case["average"])
     reference = float64_reference(stock, query, key, value, average_attn_weights=case["average"])

@@ -13,14 +13,17 @@ import itertools
 
 import pytest
 import torch
-from _reference import STOCK_MHA, randomize_parameters
 from torch import nn
 
 import slim_mha
 from slim_mha import SlimMultiheadAttention
 
+from _reference import STOCK_MHA, randomize_parameters
+
 MODES = ("train", "train_no_grad", "eval", "no_grad", "inference_mode")
-CALLS = list(itertools.product((True, False), MODES, (False, True), ("self", "cross"), (4, 3), ("none", "padding", "float")))
+CALLS = list(
+    itertools.product((True, False), MODES, (False, True), ("self", "cross"), (4, 3), ("none", "padding", "float"))
+)
 
 
 def _context(mode: str):

@@ -10,11 +10,12 @@ import io
 
 import pytest
 import torch
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 from slim_mha import patched, to_stock
 from slim_mha.patching import PatchedMultiheadAttention
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 E, H, FF = 16, 4, 32
 BATCH, SRC, TGT = 3, 7, 5

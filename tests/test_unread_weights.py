@@ -25,7 +25,6 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 from torch import nn
 
 import slim_mha
@@ -45,6 +44,8 @@ from slim_mha.bench.detr.layer import (
     detr_inputs,
     explicit_softmax_calls,
 )
+
+from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 E, H, L, S, B = 16, 4, 5, 7, 3
 # These tests count slim's own weights path: not stock's Python path, which small calls take by default.
@@ -111,9 +112,7 @@ def site_subscript_zero_multiline(attn, q, k, v):
         q,
         k,
         v,
-    )[
-        0
-    ]
+    )[0]
     return out
 
 
@@ -527,7 +526,9 @@ def test_this_untested_python_keeps_the_weights_and_says_so(monkeypatch, spy):
     stock, slim = stock_and_slim()
     q, k, v = tokens()
     monkeypatch.setattr(_unread_weights, "_WARNED_VERSIONS", set())
-    with pytest.warns(RuntimeWarning, match=rf"^skip_unread_weights has no effect on Python {PYTHON[0]}\.{PYTHON[1]}: "):
+    with pytest.warns(
+        RuntimeWarning, match=rf"^skip_unread_weights has no effect on Python {PYTHON[0]}\.{PYTHON[1]}: "
+    ):
         out = site_subscript_zero(slim, q, k, v)
     assert spy.calls == 1, "the weights were not computed"
     assert_close_scaled(out, site_subscript_zero(stock, q, k, v))
@@ -578,8 +579,13 @@ EMITTED = {
         site_subscript_zero_keywords: ["LOAD_CONST", "CALL_KW", "LOAD_CONST", "BINARY_SUBSCR"],
         site_unpack_underscore: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST_STORE_FAST"],
         # the later read is the second half of a fused pair: the analysis must split it to see it
-        site_second_name_read_later: ["LOAD_FAST", "CALL", "UNPACK_SEQUENCE", "STORE_FAST_STORE_FAST",
-                                      "LOAD_FAST_LOAD_FAST"],
+        site_second_name_read_later: [
+            "LOAD_FAST",
+            "CALL",
+            "UNPACK_SEQUENCE",
+            "STORE_FAST_STORE_FAST",
+            "LOAD_FAST_LOAD_FAST",
+        ],
     },
 }
 
@@ -602,7 +608,10 @@ def test_the_bytecode_this_python_emits_is_the_shape_the_analysis_reads(site):
 def test_fused_instructions_are_split_into_the_two_they_run():
     plain = [(i.opname, i.argval) for i in _unread_weights._plain_instructions(site_read_in_a_comprehension.__code__)]
     fused = [(i.opname, i.argval) for i in dis.get_instructions(site_read_in_a_comprehension)]
-    assert ("STORE_FAST_STORE_FAST", ("out", "weights")) in fused and ("STORE_FAST_LOAD_FAST", ("_", "weights")) in fused
+    assert ("STORE_FAST_STORE_FAST", ("out", "weights")) in fused and (
+        "STORE_FAST_LOAD_FAST",
+        ("_", "weights"),
+    ) in fused
     assert plain[plain.index(("STORE_FAST", "out")) + 1] == ("STORE_FAST", "weights")
     assert plain[plain.index(("STORE_FAST", "_")) + 1] == ("LOAD_FAST", "weights")
     assert not any(name in _unread_weights._FUSED for name, _ in plain)

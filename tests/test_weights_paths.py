@@ -13,6 +13,13 @@ import itertools
 
 import pytest
 import torch
+
+from slim_mha import SlimMultiheadAttention
+from slim_mha import _explicit_attention as explicit
+from slim_mha import _memory_guard as guard
+from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
+from slim_mha.bench.measure.memory import profile_step
+
 from _reference import (
     STOCK_MHA,
     assert_close_scaled,
@@ -21,12 +28,6 @@ from _reference import (
     float64_reference,
     randomize_parameters,
 )
-
-from slim_mha import SlimMultiheadAttention
-from slim_mha import _explicit_attention as explicit
-from slim_mha import _memory_guard as guard
-from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
-from slim_mha.bench.measure.memory import profile_step
 
 BATCH, TGT_LEN, SRC_LEN, EMBED, HEADS = 2, 7, 5, 12, 3
 # These tests exercise slim's own weights paths: not stock's Python path, which small calls take by default.
@@ -50,8 +51,17 @@ def inputs(kind: str, mask: str, appended: str, dtype: torch.dtype) -> tuple[tup
     generator = torch.Generator().manual_seed(len(kind) * 7 + len(mask))
     tgt_len = TGT_LEN if kind != "self" else SRC_LEN
     tokens = attention_tokens(
-        kind, batched=True, batch_first=True, dtype=dtype, generator=generator, batch=BATCH,
-        tgt_len=tgt_len, src_len=SRC_LEN, embed_dim=EMBED, kdim=10, vdim=6,
+        kind,
+        batched=True,
+        batch_first=True,
+        dtype=dtype,
+        generator=generator,
+        batch=BATCH,
+        tgt_len=tgt_len,
+        src_len=SRC_LEN,
+        embed_dim=EMBED,
+        kdim=10,
+        vdim=6,
     )
     src_len = SRC_LEN + int("bias_kv" in appended or appended == "both") + int("zero" in appended or appended == "both")
     masks = {}
@@ -191,8 +201,10 @@ def test_the_comparison_fails_on_a_dropped_value_bias_by_orders_of_magnitude(dty
 
 def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mode():
     """The one constant the path keeps: a row of 1/H, keyed on everything it depends on."""
-    rows = [explicit._head_average(heads, dtype, torch.device("cpu"))
-            for heads, dtype in ((3, torch.float32), (4, torch.float32), (3, torch.float64))]
+    rows = [
+        explicit._head_average(heads, dtype, torch.device("cpu"))
+        for heads, dtype in ((3, torch.float32), (4, torch.float32), (3, torch.float64))
+    ]
     assert [(row.shape[-1], row.dtype) for row in rows] == [(3, torch.float32), (4, torch.float32), (3, torch.float64)]
     assert rows[0] is explicit._head_average(3, torch.float32, torch.device("cpu"))
     assert not any(row.is_inference() or row.requires_grad for row in rows)
@@ -244,7 +256,7 @@ def test_cross_attention_with_weights_peaks_no_higher_than_stock(shape, batch_fi
     with torch.inference_mode():
         for name, module in (("stock", stock), ("slim", slim)):
             module(query, key, value)  # warm
-            peaks[name] = profile_step(lambda: module(query, key, value), query.device).peak_bytes
+            peaks[name] = profile_step(lambda module=module: module(query, key, value), query.device).peak_bytes
         expected, actual = stock(query, key, value), slim(query, key, value)
         reference = float64_reference(stock, query, key, value)
     assert_matches_stock(actual[0], expected[0], reference[0])

@@ -32,6 +32,7 @@ from . import _context
 from ._inputs import (
     SAME_AS_DIM,
     InputPlan,
+    _SameAsDim,
     checked_permutation,
     input_plan,
     output_dims,
@@ -93,7 +94,7 @@ def permutation_equivariance_error(
     fn: Callable,
     *inputs,
     dim: int | Sequence[DimSpec] = 1,
-    output_dim: int | Sequence[DimSpec] | None = SAME_AS_DIM,
+    output_dim: int | Sequence[DimSpec] | None | _SameAsDim = SAME_AS_DIM,
     seed: int = 0,
     permutation: Tensor | None = None,
     kwargs: dict | None = None,
@@ -166,6 +167,8 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
     """Run ``call`` on its inputs and on permuted inputs, and measure every output's error."""
     plan = input_plan(call.dim, call.inputs)
     if permutation is None:
+        if seed is None:  # the callers give one or the other
+            raise ValueError("measure needs a seed to draw a permutation from, or the permutation")
         permutation = draw_permutation(plan.length, seed)
     else:
         permutation, seed = checked_permutation(permutation, plan.length), None
@@ -219,7 +222,12 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
 
 
 def _check_output(
-    name: str, actual: Tensor, expected: Tensor, dims: tuple[int, ...], length: int, permutation: Tensor,
+    name: str,
+    actual: Tensor,
+    expected: Tensor,
+    dims: tuple[int, ...],
+    length: int,
+    permutation: Tensor,
     input_scale: float = 0.0,
 ) -> OutputCheck:
     """One tensor output against each reading. The tolerance is relative to the larger of the output's
@@ -246,7 +254,7 @@ def _check_other_output(name: str, actual, expected) -> OutputCheck:
     return OutputCheck(name, error, ())
 
 
-def _input_scale(inputs: tuple, plan: "InputPlan") -> float:
+def _input_scale(inputs: tuple, plan: InputPlan) -> float:
     """The largest finite magnitude among the floating-point inputs that the permutation moves."""
     scale = 0.0
     for x, dims in zip(inputs, plan.dims):
@@ -263,7 +271,7 @@ def assert_permutation_equivariant(
     fn: Callable,
     *inputs,
     dim: int | Sequence[DimSpec] = 1,
-    output_dim: int | Sequence[DimSpec] | None = SAME_AS_DIM,
+    output_dim: int | Sequence[DimSpec] | None | _SameAsDim = SAME_AS_DIM,
     tolerance: float | None = None,
     seed: int = 0,
     permutation: Tensor | None = None,
@@ -421,15 +429,25 @@ class _WithoutFunctionalDropout(TorchFunctionMode):
         if func in _DROPOUT_PROBABILITY:
             position = _DROPOUT_PROBABILITY[func]
             if len(args) > position:
-                args = args[:position] + (0.0,) + args[position + 1:]
+                args = args[:position] + (0.0,) + args[position + 1 :]
             else:
                 kwargs = {**kwargs, "dropout_p": 0.0}
         return func(*args, **kwargs)
 
 
-_DROPOUT_FUNCTIONS = frozenset({
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
-})
+_DROPOUT_FUNCTIONS = frozenset(
+    {
+        F.dropout,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.alpha_dropout,
+        F.feature_alpha_dropout,
+        torch.dropout,
+        torch.alpha_dropout,
+        torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    }
+)
 # Functions that take a dropout probability, and its position among their arguments.
 _DROPOUT_PROBABILITY = {F.scaled_dot_product_attention: 4, F.multi_head_attention_forward: 10}

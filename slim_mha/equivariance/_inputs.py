@@ -74,7 +74,8 @@ def input_plan(dim, inputs: tuple) -> InputPlan:
             f"dim has {len(dim)} entries but {len(inputs)} inputs were given: pass one entry per "
             "input (None for an input that is not permuted), or a single int for all of them"
         )
-    dims, relabelled = [], []
+    dims: list[tuple[int, ...]] = []
+    relabelled: list[int] = []
     for index, (x, entry) in enumerate(zip(inputs, dim)):
         where = f"dim[{index}]"
         if entry is not None and not isinstance(x, Tensor):
@@ -89,9 +90,12 @@ def input_plan(dim, inputs: tuple) -> InputPlan:
             relabelled.append(index)
             dims.append(())
         else:
-            dims.append(_axes_of(entry, None if x is None else getattr(x, "ndim", None),
-                                 f"{where} for input {index} {_shape_of(x)}"))
-    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+            dims.append(
+                _axes_of(
+                    entry, None if x is None else getattr(x, "ndim", None), f"{where} for input {index} {_shape_of(x)}"
+                )
+            )
+    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, tuple(dims)))
     _check_indices(inputs, plan)
     return plan
 
@@ -108,7 +112,7 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
     first_axes = _axes_of(dim, first.ndim, f"dim for input {first_index} {_shape_of(first)}")
     length = first.shape[first_axes[0]]
     dims: list[tuple[int, ...]] = [() for _ in inputs]
-    relabelled = []
+    relabelled: list[int] = []
     for index, x in tensors:
         if integer(x) and not -x.ndim <= dim < x.ndim:
             continue  # no token axis at all (a class label per sample): not token indices, left as it is
@@ -116,7 +120,7 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
             relabelled.append(index)
         else:
             dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")
-    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, dims))
+    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, tuple(dims)))
     _check_indices(inputs, plan)
     return plan
 
@@ -145,7 +149,9 @@ def _axes_of(entry, ndim: int | None, where: str) -> tuple[int, ...]:
     if entry is None:
         return ()
     axes = (entry,) if isinstance(entry, int) else tuple(entry)
-    normalized = []
+    if ndim is None:
+        raise ValueError(f"{where}: the input has no dimensions to permute; pass None for it")
+    normalized: list[int] = []
     for axis in axes:
         if not isinstance(axis, int) or not -ndim <= axis < ndim:
             raise ValueError(f"{where}: axis {axis!r} is out of range for a tensor with {ndim} dimensions")
@@ -155,9 +161,7 @@ def _axes_of(entry, ndim: int | None, where: str) -> tuple[int, ...]:
 
 
 def _token_count(inputs: tuple, input_dims: tuple[tuple[int, ...], ...]) -> int:
-    lengths = [
-        (index, axis, inputs[index].shape[axis]) for index, dims in enumerate(input_dims) for axis in dims
-    ]
+    lengths = [(index, axis, inputs[index].shape[axis]) for index, dims in enumerate(input_dims) for axis in dims]
     if not lengths:
         raise ValueError("no input is permuted: give at least one tensor input a token axis in dim")
     first = lengths[0]
@@ -197,7 +201,7 @@ def output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[
             f"output_dim={output_dim!r} does not fit the {len(leaves)} returned element(s) {names}: pass an int "
             "or None for all of them, or a sequence with one entry per returned element"
         )
-    result = []
+    result: list[tuple[int, ...]] = []
     for (name, leaf), entry in zip(leaves, entries):
         if not isinstance(leaf, Tensor):
             result.append(())

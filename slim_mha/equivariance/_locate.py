@@ -30,6 +30,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -115,8 +117,11 @@ class SubmoduleCheck:
         moved = any(not readings[0].passed(tolerance) and _matches(readings, tolerance) for readings in self.inputs)
         if not moved:
             return []
-        return [readings[0] for readings in self.inputs
-                if len(readings) > 1 and readings[0].passed(tolerance) and readings[0].max_abs == 0.0]
+        return [
+            readings[0]
+            for readings in self.inputs
+            if len(readings) > 1 and readings[0].passed(tolerance) and readings[0].max_abs == 0.0
+        ]
 
     def broken_output(self, tolerance: float | None = None) -> TensorError | None:
         """The closest reading of the first output that matches none."""
@@ -212,7 +217,11 @@ def recording(module: nn.Module | None, include_root: bool = False) -> Iterator[
             counts[name] = call + 1
             parent = running[-1].name if running else None
             record = _Call(
-                name, type_name(submodule), call, parent, _call_site(submodule),
+                name,
+                type_name(submodule),
+                call,
+                parent,
+                _call_site(submodule),
                 _tensor_inputs(submodule, args, kwargs),
                 next(events),
                 forward=_forward_site(type(submodule)),
@@ -230,8 +239,11 @@ def recording(module: nn.Module | None, include_root: bool = False) -> Iterator[
             if index is None:
                 return
             record = running.pop(index)
-            record.outputs = [(leaf_name, leaf.detach().clone()) for leaf_name, leaf in flatten(output, "output")
-                              if isinstance(leaf, Tensor)]
+            record.outputs = [
+                (leaf_name, leaf.detach().clone())
+                for leaf_name, leaf in flatten(output, "output")
+                if isinstance(leaf, Tensor)
+            ]
             record.finished = next(events)
 
         return after
@@ -255,7 +267,7 @@ def _call_site(submodule: nn.Module) -> CallSite | None:
     itself (a ``__call__`` its class overrides, and the decorators around one, as torch_geometric's
     aggregations have).
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and (
         os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _CALL_MACHINERY
         or _first_argument(frame) is submodule
@@ -320,8 +332,12 @@ def _positional_names(submodule: nn.Module) -> list[str]:
     except (TypeError, ValueError):  # builtins, C extensions
         return []
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return list(itertools.takewhile(lambda name: name is not None,
-                                    (p.name if p.kind in positional else None for p in parameters)))
+    names = []
+    for parameter in parameters:  # the leading positional ones
+        if parameter.kind not in positional:
+            break
+        names.append(parameter.name)
+    return names
 
 
 def flatten(value, name: str, _seen: frozenset = frozenset()) -> list[tuple[str, object]]:
@@ -342,8 +358,11 @@ def flatten(value, name: str, _seen: frozenset = frozenset()) -> list[tuple[str,
     if isinstance(value, Mapping):
         return [leaf for key, item in value.items() for leaf in flatten(item, f"{name}[{key!r}]", seen)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [leaf for member in dataclasses.fields(value)
-                for leaf in flatten(getattr(value, member.name), f"{name}.{member.name}", seen)]
+        return [
+            leaf
+            for member in dataclasses.fields(value)
+            for leaf in flatten(getattr(value, member.name), f"{name}.{member.name}", seen)
+        ]
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and not isinstance(value, (nn.Module, type)) and not callable(value):
         return [leaf for key, item in attributes.items() for leaf in flatten(item, f"{name}.{key}", seen)]
@@ -356,7 +375,7 @@ def flatten(value, name: str, _seen: frozenset = frozenset()) -> list[tuple[str,
 def readings(tensor: Tensor, length: int) -> list[tuple[int, ...]]:
     """Unchanged, each axis of the token count alone, then all of them together."""
     token_axes = tuple(axis for axis, size in enumerate(tensor.shape) if size == length)
-    result = [()] + [(axis,) for axis in token_axes]
+    result: list[tuple[int, ...]] = [(), *((axis,) for axis in token_axes)]
     if len(token_axes) > 1:
         result.append(token_axes)
     return result
@@ -385,13 +404,19 @@ def compare_calls(
                 f"'{after.name}' on the permuted ones (data-dependent control flow); comparison stopped there"
             )
             break
-        fields = dict(parent=before.parent, site=before.site, started=before.started, finished=before.finished,
-                      forward=before.forward)
+        fields: dict[str, Any] = dict(  # what the two SubmoduleCheck calls below share
+            parent=before.parent,
+            site=before.site,
+            started=before.started,
+            finished=before.finished,
+            forward=before.forward,
+        )
         inputs_match = [name for name, _ in before.inputs] == [name for name, _ in after.inputs]
         inputs = _measure_readings(before.inputs, after.inputs, length, permutation) if inputs_match else ()
         if [name for name, _ in before.outputs] != [name for name, _ in after.outputs]:
-            checks.append(SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs",
-                                         inputs, **fields))
+            checks.append(
+                SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs", inputs, **fields)
+            )
             continue
         outputs = _measure_readings(before.outputs, after.outputs, length, permutation)
         checks.append(SubmoduleCheck(before.name, before.type_name, before.call, outputs, "", inputs, **fields))
@@ -448,8 +473,11 @@ def _code_before(check: SubmoduleCheck, previous: tuple[str, SubmoduleCheck] | N
     earlier = previous[1] if previous is not None and previous[0] == "end" else None
     if site is None:
         where = f"`{check.parent}`'s forward" if check.parent else "the checked function"
-        return (f"the code in {where} between {earlier.label()} and {check.label()}" if earlier else
-                f"the code in {where} before {check.label()}"), ""
+        return (
+            f"the code in {where} between {earlier.label()} and {check.label()}"
+            if earlier
+            else f"the code in {where} before {check.label()}"
+        ), ""
     if earlier is None:
         return f"the code in `{site.function}` before {check.label()}", _lines(site, site.first_line, site.line)
     if earlier.site is not None and (earlier.site.filename, earlier.site.function) != (site.filename, site.function):
@@ -459,7 +487,9 @@ def _code_before(check: SubmoduleCheck, previous: tuple[str, SubmoduleCheck] | N
             _lines(site, site.line, site.line),
         )
     start = earlier.site.line if earlier.site is not None else site.first_line
-    return f"the code in `{site.function}` between {earlier.label()} and {check.label()}", _lines(site, start, site.line)
+    return f"the code in `{site.function}` between {earlier.label()} and {check.label()}", _lines(
+        site, start, site.line
+    )
 
 
 def _code_after(last: SubmoduleCheck) -> tuple[str, str]:

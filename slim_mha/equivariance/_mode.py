@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import cast
 from weakref import WeakKeyDictionary, WeakSet
 
 import torch
@@ -215,19 +216,34 @@ def checking_equivariance(
     if not isinstance(invariant, bool):
         raise ValueError(f"invariant must be True or False, got {invariant!r}")
     if dim is not None and model is None:
-        raise ValueError("dim is the model's set axis, and no model was given: pass checking_equivariance(model, dim=...)")
+        raise ValueError(
+            "dim is the model's set axis, and no model was given: pass checking_equivariance(model, dim=...)"
+        )
     if invariant and dim is None:
         raise ValueError("invariant=True says how the model's outputs follow its set axis: give that axis as dim too")
     if dim is not None:
         check_dim(dim)
         check_model_options(output_dim, tolerance, permutation, invariant)
     elif output_dim is not SAME_AS_DIM or tolerance is not None or permutation is not None:
-        raise ValueError("output_dim, tolerance and permutation are for the model's own calls: give its set axis as dim too")
+        raise ValueError(
+            "output_dim, tolerance and permutation are for the model's own calls: give its set axis as dim too"
+        )
     if dim is None and model is not None:
         _report_nothing_to_check(model, strict)
-    model_check = nullcontext() if dim is None else ModelCheck(
-        model, dim, invariant, every, lambda: _next_seed(), output_dim=output_dim, tolerance=tolerance, permutation=permutation
-    ).active()
+    model_check = (
+        nullcontext()
+        if dim is None or model is None  # checked above: a dim comes with a model
+        else ModelCheck(
+            model,
+            dim,
+            invariant,
+            every,
+            lambda: _next_seed(),
+            output_dim=output_dim,
+            tolerance=tolerance,
+            permutation=permutation,
+        ).active()
+    )
     global _open_scopes
     scope_token = _SCOPE.set(_Scope(every=every))
     with _LOCK:
@@ -252,16 +268,20 @@ def _checks_its_calls(module: nn.Module) -> bool:
 def _report_nothing_to_check(model: nn.Module, strict: bool) -> None:
     """Warn once per model (raise when strict) if no module in it would be checked: a silent no-op."""
     slim = [module for module in model.modules() if _checks_its_calls(module)]
-    if any(module.check_equivariance is not False for module in slim):
+    if any(getattr(module, "check_equivariance", None) is not False for module in slim):
         return
     if slim:
-        reason = (f"all its {len(slim)} slim attention modules opted out with check_equivariance=False; "
-                  "set the attribute to None (follow the scope) or True on the ones to check")
+        reason = (
+            f"all its {len(slim)} slim attention modules opted out with check_equivariance=False; "
+            "set the attribute to None (follow the scope) or True on the ones to check"
+        )
     else:
         stock = sum(isinstance(module, nn.MultiheadAttention) for module in model.modules())
         found = f"its {stock} nn.MultiheadAttention modules are stock" if stock else "it has no attention module"
-        reason = (f"{found} and only slim attention checks its calls; build the model inside "
-                  "`with slim_mha.patched():` (or after slim_mha.patch()), or convert it with slim_mha.convert(model)")
+        reason = (
+            f"{found} and only slim attention checks its calls; build the model inside "
+            "`with slim_mha.patched():` (or after slim_mha.patch()), or convert it with slim_mha.convert(model)"
+        )
     message = f"checking_equivariance(model): {type(model).__name__} has nothing to check: {reason}"
     if strict:
         raise ValueError(message)
@@ -315,7 +335,7 @@ def _transformed() -> bool:
 
 
 def _sampling_period(module: nn.Module) -> int | None:
-    flag = module.check_equivariance
+    flag = getattr(module, "check_equivariance", None)
     if flag is False:
         return None
     if flag:
@@ -336,9 +356,9 @@ class _AttentionCheck:
         # With a mask, is_causal is only a hint that it is the causal one: the recomputations pass the
         # permuted mask instead (no longer causal), and the call's own result is the reference.
         self.is_causal_hint = is_causal
-        self.query, self.key, self.value, self.key_padding_mask, self.attn_mask = _detach_alike(
-            query, key, value, key_padding_mask, attn_mask
-        )
+        detached = _detach_alike(query, key, value, key_padding_mask, attn_mask)
+        self.query, self.key, self.value = (cast(Tensor, t) for t in detached[:3])  # tensors in, tensors out
+        self.key_padding_mask, self.attn_mask = detached[3:]
         self.need_weights = need_weights
         self.average_attn_weights = average_attn_weights
         self.batched = query.dim() == 3
@@ -359,7 +379,8 @@ class _AttentionCheck:
             if self.recompute_reference:  # dropout noise, or a causal hint read differently: recompute
                 reference = self._attend(permute_queries=False, permute_keys=False)
             else:
-                reference = tuple(None if t is None else t.detach() for t in result)
+                output, weights = result
+                reference = (output.detach(), None if weights is None else weights.detach())
             errors = self._compare(reference, permute_queries=True, permute_keys=True)
             if all(error.passed() for error in errors):
                 return
@@ -385,7 +406,9 @@ class _AttentionCheck:
             if attn_mask is not None:
                 attn_mask = permute(attn_mask, (-1,), self.key_permutation)
         return self.module._general(
-            AttentionCall(query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False)
+            AttentionCall(
+                query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
+            )
         )
 
     def _compare(self, reference, permute_queries: bool, permute_keys: bool) -> list[TensorError]:
@@ -406,8 +429,10 @@ class _AttentionCheck:
         return errors
 
     def _error(self, errors: list[TensorError], diagnosis) -> EquivarianceError:
-        lines = [f"{_label(self.module)} is not permutation-equivariant on this call "
-                 f"(recomputed under no_grad{' with dropout off' if self.used_dropout else ''}):"]
+        lines = [
+            f"{_label(self.module)} is not permutation-equivariant on this call "
+            f"(recomputed under no_grad{' with dropout off' if self.used_dropout else ''}):"
+        ]
         failed: list[TensorError] = []
         sentences = {
             ("queries", "output"): "permuting the queries does not permute the output rows",
@@ -451,8 +476,10 @@ class _AttentionCheck:
             parts.append(f"attn_mask {_shape(self.attn_mask)} {_dtype(self.attn_mask)}")
         parts.append(f"need_weights={self.need_weights}, average_attn_weights={self.average_attn_weights}")
         if self.is_causal_hint:
-            parts.append("is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal "
-                         "one shows up here as a break)")
+            parts.append(
+                "is_causal=True (a hint: the check permutes attn_mask, so a mask that is not the causal "
+                "one shows up here as a break)"
+            )
         parts.append(f"training={self.module.training}")
         return "; ".join(parts)
 
@@ -468,7 +495,7 @@ def _detach_alike(*tensors: Tensor | None) -> list[Tensor | None]:
 
 @contextmanager
 def _without_dropout(module: nn.Module) -> Iterator[None]:
-    if not (module.training and module.dropout > 0.0):
+    if not (module.training and getattr(module, "dropout", 0.0) > 0.0):
         yield
         return
     module.training = False  # this module only; its dropout reads this flag

@@ -56,7 +56,11 @@ def check_dim(dim) -> None:
     entries = dim.values() if isinstance(dim, Mapping) else dim if isinstance(dim, Sequence) else [dim]
     for entry in entries:
         axes = entry if isinstance(entry, tuple) else (entry,)
-        if entry is not None and entry != INDICES and not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+        if (
+            entry is not None
+            and entry != INDICES
+            and not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
+        ):
             raise ValueError(
                 f"dim entry {entry!r} is not understood: use an axis, a tuple of axes (moved alike), "
                 f"{INDICES!r} (an integer tensor of token indices, relabelled) or None (left unchanged)"
@@ -71,8 +75,16 @@ class ModelCheck:
     """One scope's check of one model: its settings, its count of the model's calls, its hook."""
 
     def __init__(
-        self, model: nn.Module, dim, invariant: bool, every: int, draw_seed: Callable[[], int], *,
-        output_dim=SAME_AS_DIM, tolerance: float | None = None, permutation: Callable | None = None,
+        self,
+        model: nn.Module,
+        dim,
+        invariant: bool,
+        every: int,
+        draw_seed: Callable[[], int],
+        *,
+        output_dim=SAME_AS_DIM,
+        tolerance: float | None = None,
+        permutation: Callable | None = None,
     ):
         self.model = model
         self.dim = dim
@@ -157,8 +169,11 @@ class ModelCheck:
             for index in range(size)
         )
         if not isinstance(entries, int):  # an input's entry moves each tensor inside it
-            entries = [entry if isinstance(leaf, Tensor) else None
-                       for entry, (leaves, _) in zip(entries, flat) for leaf in leaves]
+            entries = [
+                entry if isinstance(leaf, Tensor) else None
+                for entry, (leaves, _) in zip(entries, flat)
+                for leaf in leaves
+            ]
         checked = CheckedCall(
             fn=call_model,
             inputs=inputs,
@@ -178,8 +193,12 @@ class ModelCheck:
         except ValueError as problem:  # the inputs do not fit dim: say which call and which argument
             raise ValueError(f"{self._describe()}: call {count + 1} of {type_name(self.model)}: {problem}") from None
         except Exception as problem:  # the model refused the permuted inputs: name the check, keep the cause
-            hint = ("" if self.permutation is not None else "; if the inputs hold several sets (a batch of graphs), "
-                    "pass permutation=, a function of the call's inputs that permutes within each set")
+            hint = (
+                ""
+                if self.permutation is not None
+                else "; if the inputs hold several sets (a batch of graphs), "
+                "pass permutation=, a function of the call's inputs that permutes within each set"
+            )
             raise RuntimeError(
                 f"{self._describe()}: call {count + 1} of {type_name(self.model)} failed when the check ran it "
                 f"again on its inputs permuted: {type(problem).__name__}: {problem}{hint}"
@@ -222,12 +241,20 @@ class ModelCheck:
 
 def check_model_options(output_dim, tolerance, permutation, invariant: bool) -> None:
     """The model-level options beside ``dim``, checked when the scope opens."""
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0):
-        raise ValueError(f"tolerance must be a number >= 0 (relative to each output's scale) or None, got {tolerance!r}")
+    if tolerance is not None and (
+        isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or tolerance < 0
+    ):
+        raise ValueError(
+            f"tolerance must be a number >= 0 (relative to each output's scale) or None, got {tolerance!r}"
+        )
     if permutation is not None and not callable(permutation):
-        raise ValueError(f"permutation must be a function of the call's inputs returning a permutation, got {permutation!r}")
+        raise ValueError(
+            f"permutation must be a function of the call's inputs returning a permutation, got {permutation!r}"
+        )
     if invariant and output_dim is not SAME_AS_DIM:
-        raise ValueError("invariant=True already says the outputs stay unchanged: pass output_dim or invariant, not both")
+        raise ValueError(
+            "invariant=True already says the outputs stay unchanged: pass output_dim or invariant, not both"
+        )
 
 
 def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:

@@ -11,7 +11,14 @@ from ._context import type_name
 from ._locate import Culprit, SubmoduleCheck, describe_trailing_code, find_culprit
 from ._measure import TensorError, format_indices
 
-__all__ = ["OutputCheck", "PermutationErrors", "blamed_module", "format_permutation_error", "format_shape", "subject_of"]
+__all__ = [
+    "OutputCheck",
+    "PermutationErrors",
+    "blamed_module",
+    "format_permutation_error",
+    "format_shape",
+    "subject_of",
+]
 
 
 # ------------------------------------------------------------------------------------ results
@@ -116,8 +123,9 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
         if not error.passed(tolerance):
             observed = output.observed(tolerance)
             lines.append(
-                f"    it is {observed} instead" if observed else
-                f"    it is neither unchanged nor permuted along any axis of length {len(result.permutation)}"
+                f"    it is {observed} instead"
+                if observed
+                else f"    it is neither unchanged nor permuted along any axis of length {len(result.permutation)}"
             )
     if broken:
         lines.extend(_locate_lines(result, tolerance, broken))
@@ -175,17 +183,22 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
         elif culprit.after_submodules:
             lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
         elif culprit.code:
-            lines.append(f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}")
+            lines.append(
+                f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}"
+            )
     elif culprit is not None:
         call = culprit.submodule
         closest = call.broken_input(tolerance)
         lines.append(f"  the break is in {culprit.code}{_at(culprit.location)}")
-        lines.append(
-            f"    '{call.display_name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
-            f"unchanged nor permuted along its token axes, after {_calls(culprit.kept)} that kept it: its "
-            f"{closest.name} {format_shape(closest.shape)}, closest reading '{_describe_dims(closest.dims)}': "
-            f"{closest.describe(tolerance)}"
-        )
+        if closest is None:  # a culprit is found by its broken input: at another tolerance there may be none
+            lines.append(f"    '{call.display_name}' ({call.type_name}, call {call.call + 1}) receives a broken input")
+        else:
+            lines.append(
+                f"    '{call.display_name}' ({call.type_name}, call {call.call + 1}) receives an input that is neither "
+                f"unchanged nor permuted along its token axes, after {_calls(culprit.kept)} that kept it: its "
+                f"{closest.name} {format_shape(closest.shape)}, closest reading '{_describe_dims(closest.dims)}': "
+                f"{closest.describe(tolerance)}"
+            )
     elif all(output.observed(tolerance) for output in broken):
         lines.append(
             "  each broken output matches another reading (above): the function is consistent, "

@@ -20,8 +20,8 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,14 @@ from ..measure.memory import _profiler_chatter_silenced
 from ..measure.output import mib_text
 from ..measure.timing import Settings
 
-__all__ = ["DetrStyleDecoderLayer", "DetrShape", "explicit_softmax_calls", "format_detr", "format_detr_lines", "run_detr"]
+__all__ = [
+    "DetrStyleDecoderLayer",
+    "DetrShape",
+    "explicit_softmax_calls",
+    "format_detr",
+    "format_detr_lines",
+    "run_detr",
+]
 
 CONTENDERS = ("stock", "slim", "slim_skip")
 MODES = ("inference", "train", "train-no-dropout")
@@ -168,7 +175,7 @@ def _contenders(layers: dict[str, nn.Module], inputs: dict[str, Tensor], *, trai
     contenders = {}
     for name, layer in layers.items():
         layer.train(trains)
-        parameters = list(layer.parameters())
+        parameters: list[Tensor] = [*layer.parameters()]
 
         def forward(layer=layer) -> tuple[Tensor, None]:
             return layer(**inputs), None
@@ -287,8 +294,7 @@ def format_detr_lines(payload: dict) -> str:
         lines += [
             "",
             f"{mode}:",
-            "  ms stock / slim / slim_skip:    "
-            + " / ".join(f"{times[name]['median_ms']:.2f}" for name in CONTENDERS),
+            "  ms stock / slim / slim_skip:    " + " / ".join(f"{times[name]['median_ms']:.2f}" for name in CONTENDERS),
             f"  slim/slim_skip:  {ratio_text(result, 'slim_over_slim_skip')}",
             f"  stock/slim_skip: {ratio_text(result, 'stock_over_slim_skip')}",
             "  peak MiB stock / slim / skip:  "
@@ -302,5 +308,8 @@ def format_detr_lines(payload: dict) -> str:
         ]
     loads = [load for result in payload["modes"] for load in result["load_average"] if load is not None]
     if loads:
-        lines += ["", f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {payload['settings']['cpu_count']} cores"]
+        lines += [
+            "",
+            f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {payload['settings']['cpu_count']} cores",
+        ]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import contextlib
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -89,8 +90,10 @@ def run_encoder_case(case: EncoderCase, settings: Settings, device: torch.device
     if case.padding:
         padding = torch.zeros(case.batch, case.length, dtype=torch.bool, device=device)
         padding[1::2, case.length - case.length // 4 :] = True
-    calls = {name: (lambda module=module: module(x, src_key_padding_mask=padding)) for name, module in
-             (("stock", stock), ("slim", slim))}
+    calls = {
+        name: (lambda module=module: module(x, src_key_padding_mask=padding))
+        for name, module in (("stock", stock), ("slim", slim))
+    }
     with torch.inference_mode():
         error = (calls["slim"]() - calls["stock"]()).abs().max().item()
         peaks = {name: profile_step(call, device).peak_bytes for name, call in calls.items()}
@@ -116,7 +119,8 @@ def _takes_stock(encoder: nn.Module, x: torch.Tensor, padding) -> bool:
     with torch.inference_mode():
         if padding is not None and encoder.use_nested_tensor:  # what stock's encoder gives its layers
             x, padding = torch._nested_tensor_from_mask(x, padding.logical_not(), mask_check=False), None
-        return layer_path(encoder.layers[0], x, None, padding)[0] != "slim layer"
+        first = cast(nn.TransformerEncoderLayer, cast(nn.ModuleList, encoder.layers)[0])
+        return layer_path(first, x, None, padding)[0] != "slim layer"
 
 
 def format_encoder(results: list[dict]) -> str:
@@ -147,7 +151,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)", cold=False)
     parser.add_argument("--length", type=int, action="append", help="sequence lengths (default: 128, 512, 2048)")
     parser.add_argument(
-        "--allocator", choices=("warm", "inherited"), default="warm",
+        "--allocator",
+        choices=("warm", "inherited"),
+        default="warm",
         help="warm: the C allocator never maps or returns memory (a long-running job's steady state, the\n"
         "default); inherited: glibc as a fresh process has it, which maps each large buffer afresh",
     )
@@ -170,11 +176,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for case in cases:
             results.append(run_encoder_case(case, settings, device))
             last = results[-1]
-            print(f"  {case.label}: " + ("stalled, even measured again: no ratio" if last["stalled"]
-                                         else f"{last['stock_over_slim']:.2f}x"), flush=True)
+            print(
+                f"  {case.label}: "
+                + ("stalled, even measured again: no ratio" if last["stalled"] else f"{last['stock_over_slim']:.2f}x"),
+                flush=True,
+            )
     json_path = args.json or Path("bench-out") / f"encoder_{device.type}.json"
-    write_json(json_path, {"command": " ".join(["python -m slim_mha.bench", *argv]), "device": device.type,
-                           "threads": torch.get_num_threads(), "allocator": args.allocator, "results": results})
+    write_json(
+        json_path,
+        {
+            "command": " ".join(["python -m slim_mha.bench", *argv]),
+            "device": device.type,
+            "threads": torch.get_num_threads(),
+            "allocator": args.allocator,
+            "results": results,
+        },
+    )
     print(format_encoder(results))
     print(f"results written to {json_path}")
     return 0

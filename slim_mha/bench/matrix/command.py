@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from ..measure.allocator import allocator_state
 from ..measure.environment import describe_environment
 from ..measure.load import competing_load
 from ..measure.options import (
+    AddsArguments,
     add_device_option,
     add_timing_options,
     resolve_device,
@@ -63,7 +65,7 @@ def _csv(kind):
     return parse
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
+def add_options(parser: AddsArguments) -> None:
     """The run's options, on the ``run`` subcommand and on the bare command (the run is the default)."""
     parser.add_argument("--full", action="store_true", help="run the whole matrix instead of the quick one")
     add_device_option(parser)
@@ -74,7 +76,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="which device's default matrix to build (default: the device's)",
     )
     parser.add_argument(
-        "--dtype", type=_csv(str), help="comma list of fp32, bf16, fp16, bf16-autocast (fp32 modules under autocast; default: fp32 on CPU, bf16,fp16 on CUDA)"
+        "--dtype",
+        type=_csv(str),
+        help="comma list of fp32, bf16, fp16, bf16-autocast (fp32 modules under autocast; default: fp32 on CPU, bf16,fp16 on CUDA)",
     )
     parser.add_argument(
         "--shape", action="append", metavar="BxLxExH", help="batch x seq_len x embed_dim x heads; repeatable"
@@ -108,7 +112,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="the busy processes end by themselves after this many seconds at most (default: 1800)",
     )
     parser.add_argument(
-        "--targets", action="store_true", help="accepted for older scripts: the targets and their verdicts are always printed"
+        "--targets",
+        action="store_true",
+        help="accepted for older scripts: the targets and their verdicts are always printed",
     )
     parser.add_argument(
         "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
@@ -205,8 +211,11 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
         write_json(json_path, payload)
         ratios = result["ratios"]
         left = (time.perf_counter() - started) / index * (len(cases) - index)
-        verdict = ("stalled twice: no ratio" if is_stalled(result)
-                   else f"stock/slim {ratios['stock_over_slim']:.2f}x (paired {paired_ratio(result):.2f}x)")
+        verdict = (
+            "stalled twice: no ratio"
+            if is_stalled(result)
+            else f"stock/slim {ratios['stock_over_slim']:.2f}x (paired {paired_ratio(result):.2f}x)"
+        )
         print(
             f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  {verdict}"
             + (f"  about {left:.0f} s left" if left else ""),
@@ -298,7 +307,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
 
     json_path = args.json or Path("bench-out") / f"slim_mha_bench_{device.type}.json"
-    payload = {
+    payload: dict[str, Any] = {
         "schema": 1,
         "command": " ".join(["python -m slim_mha.bench", *argv]),
         "environment": describe_environment(device),

@@ -22,9 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,13 @@ from ...attention import SlimMultiheadAttention
 from .cases import AUTOCAST, DTYPES, Case
 
 __all__ = [
-    "CONTENDERS", "MASKS", "Contender", "build_contenders", "case_masks", "equivariance_support", "fast_path_enabled",
+    "CONTENDERS",
+    "MASKS",
+    "Contender",
+    "build_contenders",
+    "case_masks",
+    "equivariance_support",
+    "fast_path_enabled",
     "output_error",
 ]
 
@@ -208,12 +213,22 @@ def build_contenders(
     floor_parameters = [
         tensor.detach().clone().requires_grad_(case.trains)
         for tensor in (stock.in_proj_weight, slim.in_proj_bias, stock.out_proj.weight, stock.out_proj.bias)
+        if tensor is not None  # the benchmark's modules have every bias
     ]
+    in_weight, in_bias, out_weight, out_bias = floor_parameters
 
     def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
         if name == "floor":
             return lambda: _floor_forward(
-                query, memory, *floor_parameters, case.num_heads, case.need_weights, additive_mask
+                query,
+                memory,
+                in_weight,
+                in_bias,
+                out_weight,
+                out_bias,
+                case.num_heads,
+                case.need_weights,
+                additive_mask,
             )
         module = stock if name == "stock" else slim
         return lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)
@@ -231,18 +246,36 @@ def build_contenders(
             return autocast_forward
 
     floors = {"sdpa" if not case.need_weights else "explicit product": forward_of("floor")}
-    if case.mode == "inference" and memory is None and masks == "none" and case.dtype not in AUTOCAST \
-            and case.num_heads % 2 == 0:
+    if (
+        case.mode == "inference"
+        and memory is None
+        and masks == "none"
+        and case.dtype not in AUTOCAST
+        and case.num_heads % 2 == 0
+    ):
         # Stock's native kernel, where stock's fast path would run it: bare, on the floor's parameters.
         floors["stock's native kernel"] = lambda: torch._native_multi_head_attention(
-            query, query, query, width, case.num_heads, *floor_parameters, None, case.need_weights, True
+            query,
+            query,
+            query,
+            width,
+            case.num_heads,
+            in_weight,
+            in_bias,
+            out_weight,
+            out_bias,
+            None,
+            case.need_weights,
+            True,
         )
     floor_kind = _fastest_floor(floors)
 
     contenders = {}
     for name in CONTENDERS:
         forward = floors[floor_kind] if name == "floor" else forward_of(name)
-        parameters = floor_parameters if name == "floor" else list((stock if name == "stock" else slim).parameters())
+        parameters: list[Tensor] = (
+            floor_parameters if name == "floor" else [*(stock if name == "stock" else slim).parameters()]
+        )
         contenders[name] = Contender(
             name=name,
             step=_training_step(forward, grad_out) if case.trains else _inference_step(forward),
@@ -271,7 +304,7 @@ def _fastest_floor(floors: dict[str, Callable[[], tuple[Tensor, Tensor | None]]]
                 forward()
                 times.append(time.perf_counter() - began)
             best[name] = min(times)
-    return min(best, key=best.get)
+    return min(best, key=lambda name: best[name])
 
 
 def _inference_step(forward: Callable[[], tuple[Tensor, Tensor | None]]) -> Callable[[], None]:

@@ -64,7 +64,7 @@ class Config:
     seed: int = 0
 
     def module_kwargs(self) -> dict:
-        kwargs = dict(**appended_options(self.appended), batch_first=self.batch_first)
+        kwargs: dict[str, object] = dict(**appended_options(self.appended), batch_first=self.batch_first)
         if self.kind == "kdim_vdim":
             kwargs.update(kdim=KDIM, vdim=VDIM)
         return kwargs
@@ -119,7 +119,7 @@ def _inputs(config: Config, device: torch.device, dtype: torch.dtype) -> dict:
     generator = torch.Generator().manual_seed(config.seed + 1)
 
     def tokens(length: int, width: int) -> Tensor:
-        shape = (length, width)
+        shape: tuple[int, ...] = (length, width)
         if config.batched:
             shape = (BATCH, length, width) if config.batch_first else (length, BATCH, width)
         return torch.randn(shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -190,6 +190,8 @@ def _run(module: nn.Module, inputs: dict, config: Config, cotangent: dict | None
     results = {"output": out, "weights": weights}
     if config.mode != "train":
         return results
+    if cotangent is None:  # a training check backpropagates these
+        raise ValueError(f"{config}: a training check needs its cotangents")
     loss = (out * cotangent["output"].to(out.dtype)).sum()
     if weights is not None:
         loss = loss + (weights * cotangent["weights"].to(weights.dtype)).sum()
@@ -296,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # a crash is a failure of this configuration, not of the run
             results.append({"config": asdict(config), "passed": False, "failures": [f"raised {error!r}"], "errors": {}})
     failed = [result for result in results if not result["passed"]]
-    worst = {}
+    worst: dict[tuple[str, str], tuple[float, float]] = {}
     for result in results:
-        for name, error in result["errors"].items():
+        for name, measured in result["errors"].items():
             key = (result["config"]["dtype"], name)
-            worst[key] = max(worst.get(key, (0.0, 0.0)), (error["slim"], error["stock"]))
+            worst[key] = max(worst.get(key, (0.0, 0.0)), (measured["slim"], measured["stock"]))
     summary = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -308,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         "failed": len(failed),
         "seconds": time.perf_counter() - started,
     }
-    print(f"slim vs stock on {summary['device']} (torch {summary['torch']}): "
-          f"{len(results) - len(failed)}/{len(results)} configurations pass ({summary['seconds']:.0f} s)")
+    print(
+        f"slim vs stock on {summary['device']} (torch {summary['torch']}): "
+        f"{len(results) - len(failed)}/{len(results)} configurations pass ({summary['seconds']:.0f} s)"
+    )
     print("largest error against the float64 reference (slim / stock), per dtype and tensor:")
     for (dtype, name), (slim_error, stock_error) in sorted(worst.items()):
         print(f"  {dtype:<5} {name:<20} {slim_error:.2e} / {stock_error:.2e}")

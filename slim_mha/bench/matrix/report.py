@@ -119,8 +119,10 @@ def format_table(results: list[dict]) -> str:
         if is_stalled(result):
             speed = f" {'stalled':>10} {'-':>6} {'-':>10}"
         else:
-            speed = (f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
-                     f" {_compact(ratios['slim_over_floor']) + 'x':>10}")
+            speed = (
+                f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
+                f" {_compact(ratios['slim_over_floor']) + 'x':>10}"
+            )
         lines.append(
             f"{label:<{width}} {time['stock']['median_ms']:>8.2f} {time['slim']['median_ms']:>8.2f}"
             f"{speed} {faults:>9} {peak:>11}{'' if result['agrees'] else ' *'}"
@@ -228,8 +230,7 @@ def format_markdown(payload: dict) -> str:
         peaks = " / ".join(mib_text(memory[name]["peak_bytes"]).strip() for name in CONTENDER_ORDER)
         saved = " / ".join(mib_text(memory[name]["saved_bytes"]).strip() for name in ("stock", "slim"))
         times = [
-            f"{time[name]['median_ms']:.2f} ±{time[name]['iqr_over_median'] * 50:.0f}%"
-            for name in CONTENDER_ORDER
+            f"{time[name]['median_ms']:.2f} ±{time[name]['iqr_over_median'] * 50:.0f}%" for name in CONTENDER_ORDER
         ]
         cold = result.get("cold")
         cold_ms = " / ".join(f"{cold[name]['median_ms']:.2f}" for name in ("stock", "slim")) if cold else "-"
@@ -313,8 +314,11 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
     threshold = 1.0 if not busy else _BUSY_SPEED_THRESHOLD
     speed_check = _check(_SPEED, threshold, speed, bounds=bounds)
     if busy:
-        speed_check = replace(speed_check, explanation=f"{speed_check.explanation}; 0.97 beside busy processes: "
-                              "the noise of a paired ratio on shared cores")
+        speed_check = replace(
+            speed_check,
+            explanation=f"{speed_check.explanation}; 0.97 beside busy processes: "
+            "the noise of a paired ratio on shared cores",
+        )
     checks = [
         speed_check,
         _check(_FLOOR, 1.05, floor, at_most=True),
@@ -325,8 +329,11 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
     if memory_check.worst_value is not None and memory_check.worst_value > 1.0:  # three decimals would read 1.000
         over = next(result for result in plain if result["name"] == memory_check.worst_case)
         excess = over["memory"]["slim"]["peak_bytes"] - over["memory"]["stock"]["peak_bytes"]
-        checks[2] = replace(memory_check, detail=f"worst {memory_check.worst_value:.4f} at "
-                            f"{' '.join(memory_check.worst_case.split())}{excess_text(excess)}")
+        checks[2] = replace(
+            memory_check,
+            detail=f"worst {memory_check.worst_value:.4f} at "
+            f"{' '.join((memory_check.worst_case or '').split())}{excess_text(excess)}",
+        )
     largest = max(results, key=lambda result: result["relative_error"]["slim"], default=None)
     if largest is not None:  # the agreement values are flags: say what was measured instead
         checks[-1] = replace(
@@ -346,8 +353,10 @@ def format_targets(checks: list[TargetCheck]) -> str:
             continue
         verdict = "MET " if check.passed else "MISS"
         bound = f" (there stock/floor is {check.floor_bound:.3f})" if check.floor_bound is not None else ""
-        worst = check.detail or f"worst {check.worst_value:.3f} at {' '.join(check.worst_case.split())}{bound}"
-        limit = "" if check.detail else f" ({'at most' if check.target in _AT_MOST else 'at least'} {check.threshold:.2f})"
+        worst = check.detail or f"worst {check.worst_value:.3f} at {' '.join((check.worst_case or '').split())}{bound}"
+        limit = (
+            "" if check.detail else f" ({'at most' if check.target in _AT_MOST else 'at least'} {check.threshold:.2f})"
+        )
         lines.append(f"  {verdict}  {check.target}: {check.met} of {check.total} cases{limit}")
         lines.append(f"        {worst}")
         if check.explanation:
@@ -392,14 +401,17 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         2, 1, figsize=(max(13.0, min(0.5 * count + 4.0, 52.0)), 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     for mode, colour in _MODE_COLOURS.items():
-        chosen = [index for index, result in enumerate(results)
-                  if result["case"]["mode"] == mode and not is_stalled(result)]
+        chosen = [
+            index for index, result in enumerate(results) if result["case"]["mode"] == mode and not is_stalled(result)
+        ]
         if not chosen:
             continue
         ratios = [results[index]["ratios"]["stock_over_slim"] for index in chosen]
         spreads = [_paired_spread(results[index], ratio) for index, ratio in zip(chosen, ratios)]
-        errors = [[ratio - low for ratio, (low, _) in zip(ratios, spreads)],
-                  [high - ratio for ratio, (_, high) in zip(ratios, spreads)]]
+        errors = [
+            [ratio - low for ratio, (low, _) in zip(ratios, spreads)],
+            [high - ratio for ratio, (_, high) in zip(ratios, spreads)],
+        ]
         speed.errorbar(chosen, ratios, yerr=errors, fmt="o", color=colour, capsize=3, label=f"stock/slim, {mode}")
     floors = [result["ratios"]["stock_over_floor"] for result in results]
     speed.scatter(positions, floors, marker="_", s=300, color="black", label="stock/floor (bare ops: the bound)")
@@ -408,11 +420,20 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     speed.set_ylabel("stock time / slim time (above 1: slim faster)")
     speed.set_title(f"slim against stock over {count} cases, allocator warm (ratio of medians; bars: paired IQR)")
     speed.grid(axis="y", alpha=0.3)
-    speed.legend(title=_LEGEND_TITLE.replace("; ", "\n"), fontsize=8, title_fontsize=8, loc="upper left",
-                 bbox_to_anchor=(1.01, 1.0))
+    speed.legend(
+        title=_LEGEND_TITLE.replace("; ", "\n"),
+        fontsize=8,
+        title_fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+    )
 
     bar = 0.27
-    styles = {"stock": {"color": "0.55"}, "slim": {"color": "C0"}, "floor": {"color": "white", "edgecolor": "0.3", "hatch": "//"}}
+    styles = {
+        "stock": {"color": "0.55"},
+        "slim": {"color": "C0"},
+        "floor": {"color": "white", "edgecolor": "0.3", "hatch": "//"},
+    }
     for offset, (name, style) in zip((-bar, 0.0, bar), styles.items()):
         peaks = [result["memory"][name]["peak_bytes"] / _MIB for result in results]
         memory.bar([index + offset for index in positions], peaks, width=bar, label=f"{name} peak", **style)
@@ -427,8 +448,13 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         f"H={result['case']['num_heads']}" + (f" {result['case']['dtype']}" if len(dtypes) > 1 else "")
         for result in results
     ]
-    memory.set_xticks(positions, labels, rotation=90 if count > 16 else 45, ha="right" if count <= 16 else "center",
-                      fontsize=7 if count > 16 else 8)
+    memory.set_xticks(
+        positions,
+        labels,
+        rotation=90 if count > 16 else 45,
+        ha="right" if count <= 16 else "center",
+        fontsize=7 if count > 16 else 8,
+    )
     memory.set_xlabel("case (mode, attention, shape)" + ("" if len(dtypes) > 1 else f", {next(iter(dtypes))}"))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

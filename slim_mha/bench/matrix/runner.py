@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
@@ -105,10 +105,12 @@ def time_interleaved(
     if device.type == "cpu" and settings.cold_repeats:
         with allocator_state("cold") as controlled:
             cold_settings = replace(settings, repeats=settings.cold_repeats, min_repeats=settings.cold_repeats)
-            cold = measure({name: (step, _then_cold(reset)) for name, (step, reset) in steps.items()}, device,
-                           cold_settings)
-        result["cold"] = {name: {"median_ms": s.median_ms, "faults_per_call": s.faults_per_call}
-                          for name, s in cold.items()}
+            cold = measure(
+                {name: (step, _then_cold(reset)) for name, (step, reset) in steps.items()}, device, cold_settings
+            )
+        result["cold"] = {
+            name: {"median_ms": s.median_ms, "faults_per_call": s.faults_per_call} for name, s in cold.items()
+        }
         result["cold_ratios"] = {f"{a}_over_{b}": cold[a].median_ms / cold[b].median_ms for a, b in ratios}
     with allocator_state("warm") as controlled:
         for step, reset in steps.values():
@@ -123,8 +125,10 @@ def time_interleaved(
     result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
     result["ratios"] = {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in ratios}
     result["paired_ratios"] = {
-        f"{a}_over_{b}": {"median": median_of_ratios(samples[a], samples[b]),
-                          "quartiles": quartiles_of_ratios(samples[a], samples[b])}
+        f"{a}_over_{b}": {
+            "median": median_of_ratios(samples[a], samples[b]),
+            "quartiles": quartiles_of_ratios(samples[a], samples[b]),
+        }
         for a, b in spreads
     }
     return result

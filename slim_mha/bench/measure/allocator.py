@@ -31,8 +31,7 @@ import ctypes
 import ctypes.util
 import os
 import resource
-from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["COLD", "SETTLE_CALLS", "WARM", "allocator_state", "describe_allocator", "minor_faults", "prepare_cold_call"]
 
@@ -115,8 +114,12 @@ def describe_allocator() -> dict:
     """For the JSON: which allocator, whether the benchmark controls it, the settings of each state."""
     environment = {name: value for name, value in os.environ.items() if name.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     if _GLIBC is None:
-        return {"library": "unknown (not glibc)", "controlled": False, "environment": environment,
-                "note": "the allocator's state was inherited; page faults per call show what it was"}
+        return {
+            "library": "unknown (not glibc)",
+            "controlled": False,
+            "environment": environment,
+            "note": "the allocator's state was inherited; page faults per call show what it was",
+        }
     return {
         "library": f"glibc {_GLIBC.gnu_get_libc_version().decode()}",
         "controlled": True,

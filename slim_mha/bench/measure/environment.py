@@ -63,7 +63,7 @@ def _git_commit() -> str | None:
 
 def describe_environment(device: torch.device) -> dict:
     environment = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "slim_mha": __version__,
         "git_commit": _git_commit(),

@@ -4,12 +4,14 @@ the scripts in ``benchmarks/``."""
 from __future__ import annotations
 
 import argparse
+from typing import Any, Protocol
 
 import torch
 
 from .timing import Settings
 
 __all__ = [
+    "AddsArguments",
     "add_device_option",
     "add_timing_options",
     "parse_script_arguments",
@@ -29,11 +31,17 @@ _SETTINGS = {
 }
 
 
-def add_device_option(parser: argparse.ArgumentParser) -> None:
+class AddsArguments(Protocol):
+    """What the option helpers need of a parser: ``add_argument`` (a parser, or a wrapper around one)."""
+
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action: ...
+
+
+def add_device_option(parser: AddsArguments) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
 
 
-def add_timing_options(parser: argparse.ArgumentParser, *, repeats_help: str, cold: bool = True) -> None:
+def add_timing_options(parser: AddsArguments, *, repeats_help: str, cold: bool = True) -> None:
     """``--repeats`` and the rest; ``cold``: also ``--cold-repeats``, for commands that time both states."""
     parser.add_argument("--repeats", type=int, help=repeats_help)
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per contender first (default: 2)")
@@ -104,7 +112,9 @@ def script_parser(description: str, shapes: tuple[str, ...]) -> argparse.Argumen
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
-    parser.add_argument("--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(shapes)})")
+    parser.add_argument(
+        "--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(shapes)})"
+    )
     return parser
 
 
@@ -114,6 +124,8 @@ def parse_script_arguments(parser: argparse.ArgumentParser) -> argparse.Namespac
     if not 0 <= args.busy <= 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
-          f"busy {args.busy}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
+        f"busy {args.busy}"
+    )
     return args

@@ -24,8 +24,8 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -146,7 +146,7 @@ def measure(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection inside one contender's sample is drift that interleaving cannot cancel
     try:
-        first_calls = {name: [] for name in order}
+        first_calls: dict[str, list[float]] = {name: [] for name in order}
         for _ in range(max(1, settings.warmup)):
             for name in order:
                 step, reset = contenders[name]
@@ -156,8 +156,8 @@ def measure(
         best = {name: min(times) for name, times in first_calls.items()}
 
         def sample_round() -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-            samples = {name: [] for name in order}
-            faults = {name: [] for name in order}
+            samples: dict[str, list[float]] = {name: [] for name in order}
+            faults: dict[str, list[int]] = {name: [] for name in order}
             started = time.perf_counter()
             for repeat in range(settings.repeats):
                 shuffle.shuffle(order)

@@ -15,8 +15,8 @@ import contextlib
 import copy
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +64,9 @@ def _resolve(target: str, option: str) -> Callable:
         ) from None
     for part in attribute.split("."):
         if not hasattr(value, part):
-            raise ModelInputError(f"{option} {target!r}: {module_name!r} has no attribute {attribute!r}; check the name")
+            raise ModelInputError(
+                f"{option} {target!r}: {module_name!r} has no attribute {attribute!r}; check the name"
+            )
         value = getattr(value, part)
     if not callable(value):
         raise ModelInputError(f"{option} {target!r}: {attribute!r} is a {type(value).__name__}, not a callable")
@@ -79,9 +81,13 @@ def _build(factory: Callable, target: str, patched: bool) -> nn.Module:
         with slim_mha.patched() if patched else contextlib.nullcontext():
             model = factory()
     except Exception as error:  # the user's code: say whose it is
-        raise ModelInputError(f"{target} failed when called with no arguments: {type(error).__name__}: {error}") from None
+        raise ModelInputError(
+            f"{target} failed when called with no arguments: {type(error).__name__}: {error}"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise ModelInputError(f"{target} returned a {type(model).__name__}, not an nn.Module: give a callable that builds the model")
+        raise ModelInputError(
+            f"{target} returned a {type(model).__name__}, not an nn.Module: give a callable that builds the model"
+        )
     return model
 
 
@@ -91,7 +97,7 @@ def _inputs(shapes: list[str], input_fn: str | None, dtype: torch.dtype, device:
         args = value if isinstance(value, tuple) else (value,)
     else:
         generator = torch.Generator().manual_seed(0)
-        args = []
+        tensors: list[Tensor] = []
         for text in shapes:
             try:
                 shape = tuple(int(part) for part in text.lower().split("x"))
@@ -99,7 +105,8 @@ def _inputs(shapes: list[str], input_fn: str | None, dtype: torch.dtype, device:
                 shape = ()
             if not shape or min(shape) <= 0:
                 raise ModelInputError(f"--input {text!r}: a shape is positive integers joined by x, e.g. 2x3x224x224")
-            args.append(torch.randn(shape, generator=generator))
+            tensors.append(torch.randn(shape, generator=generator))
+        args = tuple(tensors)
     return tuple(pytree.tree_map(lambda x: _cast(x, dtype, device), arg) for arg in args)
 
 
@@ -114,7 +121,9 @@ def _first_tensor(output) -> Tensor:
     if not leaves and hasattr(output, "__dict__"):  # a dataclass or plain object pytree does not know
         leaves = [leaf for leaf in pytree.tree_leaves(dict(vars(output))) if isinstance(leaf, Tensor)]
     if not leaves:
-        raise ModelInputError(f"the model returned {type(output).__name__} with no tensor in it: nothing to compare or train")
+        raise ModelInputError(
+            f"the model returned {type(output).__name__} with no tensor in it: nothing to compare or train"
+        )
     return leaves[0]
 
 
@@ -154,8 +163,9 @@ def _agreement(stock: nn.Module, slim: nn.Module, args: tuple) -> dict:
     """Eval outputs and one training step's gradients, each against a float64 run of stock."""
     stock, slim = _without_dropout(stock), _without_dropout(slim)
     reference = copy.deepcopy(stock).double()
-    exact_args = tuple(pytree.tree_map(lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x, a)
-                       for a in args)
+    exact_args = tuple(
+        pytree.tree_map(lambda x: x.double() if isinstance(x, Tensor) and x.is_floating_point() else x, a) for a in args
+    )
     slots = _key_slots(stock)
     worst, agrees = {}, True
     for train in (False, True):
@@ -194,26 +204,7 @@ def _census(slim: nn.Module, args: tuple) -> dict[str, list[dict]]:
 def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, device: torch.device) -> dict:
     results = {}
     for mode in ("inference", "train"):
-        calls = {}
-        for name, model in (("stock", stock), ("slim", slim)):
-            if mode == "inference":
-                model.eval()
-
-                def step(model=model):
-                    with torch.inference_mode():
-                        model(*args)
-
-                reset = _no_reset
-            else:
-                model.train()
-
-                def step(model=model):
-                    _first_tensor(model(*args)).float().square().sum().backward()
-
-                def reset(model=model):
-                    model.zero_grad(set_to_none=True)
-
-            calls[name] = (step, reset)
+        calls = {name: _step_and_reset(model, args, mode) for name, model in (("stock", stock), ("slim", slim))}
         peaks, saved = {}, {}
         for name, (step, reset) in calls.items():
             reset()
@@ -230,7 +221,9 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
         results[mode] = {
             "stock_ms": summaries["stock"].median_ms,
             "slim_ms": summaries["slim"].median_ms,
-            "stock_over_slim": None if stalled else median_of_ratios(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
+            "stock_over_slim": None
+            if stalled
+            else median_of_ratios(summaries["stock"].samples_ms, summaries["slim"].samples_ms),
             "stalled": stalled,
             "peak_bytes": peaks,
             **({"saved_bytes": saved} if saved else {}),
@@ -240,6 +233,27 @@ def _timed(stock: nn.Module, slim: nn.Module, args: tuple, settings: Settings, d
 
 def _no_reset() -> None:
     pass
+
+
+def _step_and_reset(model: nn.Module, args: tuple, mode: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One timed step of ``model`` in ``mode`` (inference or train), and what clears it between samples."""
+    if mode == "inference":
+        model.eval()
+
+        def infer() -> None:
+            with torch.inference_mode():
+                model(*args)
+
+        return infer, _no_reset
+    model.train()
+
+    def train() -> None:
+        _first_tensor(model(*args)).float().square().sum().backward()
+
+    def reset() -> None:
+        model.zero_grad(set_to_none=True)
+
+    return train, reset
 
 
 def benchmark_model(
@@ -257,16 +271,20 @@ def benchmark_model(
         slim.load_state_dict(stock.state_dict())
     except RuntimeError as error:
         first = str(error).strip().splitlines()[0]
-        raise ModelInputError(f"{target}: the two builds differ, so weights cannot be shared ({first}); "
-                              "build the model deterministically") from None
+        raise ModelInputError(
+            f"{target}: the two builds differ, so weights cannot be shared ({first}); build the model deterministically"
+        ) from None
     swapped = sum(isinstance(module, SlimMultiheadAttention) for module in slim.modules())
     if not swapped:
         held = any(isinstance(module, nn.MultiheadAttention) for module in stock.modules())
         raise ModelInputError(
             f"{target}: no attention module became slim, so there is nothing to measure: "
-            + ("its nn.MultiheadAttention modules were not built through torch.nn while patched (a class alias "
-               "bound before patch()?); build them as nn.MultiheadAttention" if held else
-               "the model holds no nn.MultiheadAttention; give a model that does")
+            + (
+                "its nn.MultiheadAttention modules were not built through torch.nn while patched (a class alias "
+                "bound before patch()?); build them as nn.MultiheadAttention"
+                if held
+                else "the model holds no nn.MultiheadAttention; give a model that does"
+            )
         )
     args = _inputs(shapes, input_fn, dtype, device)
     try:
@@ -310,12 +328,18 @@ def format_model(result: dict) -> str:
             f"{_size(peaks['stock']):>11} {_size(peaks['slim']):>10}"
         )
     for mode, rows in result.get("paths", {}).items():
-        lines.append(f"paths in {mode}: " + "; ".join(
-            f"{row['kind']} {row['path']} x{row['calls']}" + (f" ({row['why']})" if row["why"] else "") for row in rows
-        ))
+        lines.append(
+            f"paths in {mode}: "
+            + "; ".join(
+                f"{row['kind']} {row['path']} x{row['calls']}" + (f" ({row['why']})" if row["why"] else "")
+                for row in rows
+            )
+        )
     saved = result["train"].get("saved_bytes")
     if saved:
-        lines.append(f"saved for backward in a training step: stock {_size(saved['stock'])}, slim {_size(saved['slim'])}")
+        lines.append(
+            f"saved for backward in a training step: stock {_size(saved['stock'])}, slim {_size(saved['slim'])}"
+        )
     lines.append("stock/slim: the median over interleaved repeats of stock's time over slim's; above 1 slim is faster.")
     return "\n".join(lines)
 
@@ -333,11 +357,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "that they agree, and time inference and a training step of both (slim_mha/bench/model/command.py).",
         examples=_EXAMPLES,
     )
-    parser.add_argument("target", metavar="MODULE:CALLABLE", help="what builds the model, e.g. torchvision.models:vit_b_16")
-    parser.add_argument("--input", action="append", default=[], metavar="SHAPE",
-                        help="a random float input of this shape, e.g. 2x3x224x224; one per positional argument")
-    parser.add_argument("--input-fn", metavar="MODULE:CALLABLE",
-                        help="returns the model's arguments (a tuple, or one tensor): token ids, graphs")
+    parser.add_argument(
+        "target", metavar="MODULE:CALLABLE", help="what builds the model, e.g. torchvision.models:vit_b_16"
+    )
+    parser.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="a random float input of this shape, e.g. 2x3x224x224; one per positional argument",
+    )
+    parser.add_argument(
+        "--input-fn",
+        metavar="MODULE:CALLABLE",
+        help="returns the model's arguments (a tuple, or one tensor): token ids, graphs",
+    )
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     add_device_option(parser)
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)", cold=False)

@@ -37,15 +37,20 @@ def measure_case(series: Series, tokens: int, settings: Settings) -> dict:
         step, reset, stock_path = _build_step(series, tokens, settings, device)
         peak = PeakMemory(device)
         times, faults = _time_calls(step, reset, device)
-        return {"status": "ok", "time_s": statistics.median(times), "times_s": times, "faults_per_call": faults,
-                "peak_bytes": peak.above_baseline(), "stock_path": stock_path}
+        return {
+            "status": "ok",
+            "time_s": statistics.median(times),
+            "times_s": times,
+            "faults_per_call": faults,
+            "peak_bytes": peak.above_baseline(),
+            "stock_path": stock_path,
+        }
     except Exception as error:  # noqa: BLE001 - anything else is recorded as an error, below
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         oom = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or any(
             text in message.lower() for text in OOM_MESSAGES
         )
         return {"status": "oom" if oom else "error", "detail": f"{type(error).__name__}: {message}"[:300]}
-
 
 
 def _build_step(series: Series, tokens: int, settings: Settings, device: torch.device):

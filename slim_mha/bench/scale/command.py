@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,7 +79,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.set_defaults(handler=run, parser=parser)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
     parser.add_argument(
-        "--tokens", type=_csv(kind=int), metavar="N,N,...", help="token counts (default: 1k to 100k on CPU, to 1M on CUDA)"
+        "--tokens",
+        type=_csv(kind=int),
+        metavar="N,N,...",
+        help="token counts (default: 1k to 100k on CPU, to 1M on CUDA)",
     )
     parser.add_argument(
         "--shape", type=_csv(tuple(SHAPES)), metavar="NAME,...", help=f"comma list of {', '.join(SHAPES)}"
@@ -156,15 +160,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     series_list = build_series(args.shape, args.mode, masks, args.contender)
     tokens = sorted(set(args.tokens or TOKENS[settings.device]))
     if args.dry_run:
-        print(f"{len(series_list)} curves x {len(tokens)} token counts on {settings.device} "
-              f"(memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}):")
+        print(
+            f"{len(series_list)} curves x {len(tokens)} token counts on {settings.device} "
+            f"(memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}):"
+        )
         print("\n".join(f"  {series.name}: N = {', '.join(f'{n:,}' for n in tokens)}" for series in series_list))
         return 0
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
     json_path = args.json or Path("bench-out") / f"slim_mha_scale_{settings.device}.json"
-    payload = {
+    payload: dict[str, Any] = {
         "schema": 1,
         "kind": "scale",
         "command": " ".join(["python -m slim_mha.bench", *argv]),
@@ -176,10 +182,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "stops": {},
         "notes": [],
     }
-    print(f"slim_mha scale sweep: {len(series_list)} curves x {len(tokens)} token counts on {settings.device}, "
-          f"memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}", flush=True)
-    print(f"expected time: at most about {settings.budget_s / 60:.0f} minutes (the sweep budget) plus the last "
-          f"case (up to {settings.case_timeout_s:.0f} s)", flush=True)
+    print(
+        f"slim_mha scale sweep: {len(series_list)} curves x {len(tokens)} token counts on {settings.device}, "
+        f"memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}",
+        flush=True,
+    )
+    print(
+        f"expected time: at most about {settings.budget_s / 60:.0f} minutes (the sweep budget) plus the last "
+        f"case (up to {settings.case_timeout_s:.0f} s)",
+        flush=True,
+    )
 
     def on_case(record: dict) -> None:
         payload["cases"].append(record)

@@ -19,7 +19,6 @@ def cap_address_space(cap_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mapped + cap_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-
 class PeakMemory:
     """Peak memory from here on, above what is in use now."""
 
@@ -28,7 +27,7 @@ class PeakMemory:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            self.baseline = torch.cuda.memory_allocated(device)
+            self.baseline: int | None = torch.cuda.memory_allocated(device)
             return
         self.baseline = _status_bytes("VmRSS")
         try:  # reset the high-water mark to the current resident size (Linux 4.0+)
@@ -40,7 +39,7 @@ class PeakMemory:
     def above_baseline(self) -> int | None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+            return torch.cuda.max_memory_allocated(self.device) - (self.baseline or 0)
         peak = _status_bytes("VmHWM")
         return None if peak is None or self.baseline is None else max(0, peak - self.baseline)
 
@@ -54,7 +53,6 @@ def _status_bytes(field: str) -> int | None:
     except OSError:
         pass
     return None
-
 
 
 def default_memory_cap() -> int | None:

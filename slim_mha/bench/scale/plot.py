@@ -37,11 +37,14 @@ def plot_scale(payload: dict, path: Path) -> str:
         for record in cases:
             if record["series"]["mode"] == mode:
                 by_series.setdefault(record["name"], []).append(record)
-        for name, records in by_series.items():
+        for records in by_series.values():
             series = records[0]["series"]
-            style = dict(color=_COLOURS.get(series["contender"], "k"), linestyle=_STYLES.get(series["shape"], ":"),
-                         marker="s" if series["padding_mask"] else "o",
-                         markerfacecolor="none" if series["padding_mask"] else None)
+            style = dict(
+                color=_COLOURS.get(series["contender"], "k"),
+                linestyle=_STYLES.get(series["shape"], ":"),
+                marker="s" if series["padding_mask"] else "o",
+                markerfacecolor="none" if series["padding_mask"] else None,
+            )
             ok = [r for r in records if r["status"] == "ok"]
             if not ok and not any(r["status"] in ("oom", "killed", "timeout") for r in records):
                 continue  # never ran: no legend entry
@@ -54,13 +57,28 @@ def plot_scale(payload: dict, path: Path) -> str:
             failed = [r for r in records if r["status"] in ("oom", "killed", "timeout")]
             for record in failed:
                 level = cap / 2**20 if cap else max((m for _, m in memory), default=1.0)
-                memory_axis.plot([record["tokens"]], [level], marker="X", markersize=11, color=style["color"], linestyle="")
-                memory_axis.annotate(f"{record['status'].upper()} at {record['tokens']:,}", (record["tokens"], level),
-                                     textcoords="offset points", xytext=(-30, 8), fontsize=8, color=style["color"])
+                memory_axis.plot(
+                    [record["tokens"]], [level], marker="X", markersize=11, color=style["color"], linestyle=""
+                )
+                memory_axis.annotate(
+                    f"{record['status'].upper()} at {record['tokens']:,}",
+                    (record["tokens"], level),
+                    textcoords="offset points",
+                    xytext=(-30, 8),
+                    fontsize=8,
+                    color=style["color"],
+                )
         if cap:
             memory_axis.axhline(cap / 2**20, color="grey", linewidth=0.8, linestyle=":")
-            memory_axis.annotate("memory cap per case", (0.01, cap / 2**20), xycoords=("axes fraction", "data"),
-                                 fontsize=8, color="grey", textcoords="offset points", xytext=(0, -12))
+            memory_axis.annotate(
+                "memory cap per case",
+                (0.01, cap / 2**20),
+                xycoords=("axes fraction", "data"),
+                fontsize=8,
+                color="grey",
+                textcoords="offset points",
+                xytext=(0, -12),
+            )
         for axis, what, points in (
             (time_axis, "time of one call (s)", time_points),
             (memory_axis, "peak memory above baseline (MiB)", memory_points),
@@ -80,8 +98,11 @@ def plot_scale(payload: dict, path: Path) -> str:
         memory_axis.set_title(f"{mode}: memory (quadratic: N x N scores; linear: SDPA)")
         time_axis.legend(fontsize=8)
     environment = payload["environment"]
-    figure.suptitle(f"stock vs slim MHA against N, need_weights=False ({environment['device_name']}, "
-                    f"{payload['settings']['dtype']}, B={payload['settings']['batch']})", fontsize=10)
+    figure.suptitle(
+        f"stock vs slim MHA against N, need_weights=False ({environment['device_name']}, "
+        f"{payload['settings']['dtype']}, B={payload['settings']['batch']})",
+        fontsize=10,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from .cases import PADDED_FRACTION, SHAPES
 
-__all__ = ["common_n_memory", "fit_line", "format_cell", "format_markdown", "format_mib", "format_table", "largest_handled"]
+__all__ = [
+    "common_n_memory",
+    "fit_line",
+    "format_cell",
+    "format_markdown",
+    "format_mib",
+    "format_table",
+    "largest_handled",
+]
 
 
 MAX_COLUMNS = 119  # terminal lines stay below 120 columns; the JSON keeps every detail in full
@@ -85,17 +93,28 @@ def format_markdown(payload: dict) -> str:
         E, H = SHAPES.get(shape, ("?", "?"))
         columns = list(dict.fromkeys(column for _, column in cells))
         tokens = sorted({n for n, _ in cells})
-        lines += ["", f"**{shape} (E={E}, H={H}), {mode}**", "",
-                  "| N | " + " | ".join(columns) + " |", "|--:|" + "--:|" * len(columns)]
+        lines += [
+            "",
+            f"**{shape} (E={E}, H={H}), {mode}**",
+            "",
+            "| N | " + " | ".join(columns) + " |",
+            "|--:|" + "--:|" * len(columns),
+        ]
         for n in tokens:
-            lines.append(f"| {n:,} | " + " | ".join(format_cell(cells[(n, c)]) if (n, c) in cells else "" for c in columns) + " |")
+            lines.append(
+                f"| {n:,} | "
+                + " | ".join(format_cell(cells[(n, c)]) if (n, c) in cells else "" for c in columns)
+                + " |"
+            )
     lines += ["", "Memory at the largest N both contenders ran:", ""]
     common = common_n_memory(cases)
     if not common:
         lines.append("* none: no N was run by both")
     for (shape, mode, masked), (n, stock, slim) in common.items():
-        lines.append(f"* {shape} {mode}{' +mask' if masked else ''}, N={n:,}: stock +{format_mib(stock)}, slim +{format_mib(slim)}"
-                     + (f" ({stock / slim:,.1f}x less)" if stock and slim else ""))
+        lines.append(
+            f"* {shape} {mode}{' +mask' if masked else ''}, N={n:,}: stock +{format_mib(stock)}, slim +{format_mib(slim)}"
+            + (f" ({stock / slim:,.1f}x less)" if stock and slim else "")
+        )
     lines += ["", "Largest N each contender ran, and why its curve stopped:", ""]
     unrun = {r["name"]: r["tokens"] for r in reversed(cases) if "sweep budget" in r.get("detail", "")}
     for name, largest in largest_handled(cases).items():

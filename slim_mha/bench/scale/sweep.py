@@ -27,12 +27,15 @@ def _run_child(series: Series, tokens: int, settings: Settings) -> dict:
     try:
         completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=settings.case_timeout_s)
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "detail": f"no result after {settings.case_timeout_s:.0f} s (killed)",
-                "wall_s": time.perf_counter() - started}
+        return {
+            "status": "timeout",
+            "detail": f"no result after {settings.case_timeout_s:.0f} s (killed)",
+            "wall_s": time.perf_counter() - started,
+        }
     wall = time.perf_counter() - started
     for line in reversed(completed.stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
-            return {**json.loads(line[len(RESULT_MARKER):]), "wall_s": wall}
+            return {**json.loads(line[len(RESULT_MARKER) :]), "wall_s": wall}
     if completed.returncode < 0:
         status, detail = "killed", f"killed by signal {-completed.returncode} (out of memory?)"
     else:
@@ -77,7 +80,9 @@ def _over_time_budget(measured: list[dict], tokens: int, settings: Settings) -> 
     # there would stop curves that have minutes to go (the case timeout still bounds a wrong guess).
     predicted = _extrapolated([(r["tokens"], r["time_s"]) for r in measured], tokens) if len(measured) >= 2 else None
     if predicted is not None and predicted > settings.case_budget_s:
-        return f"stopped before N={tokens:,}: extrapolated {predicted:.0f} s > case budget {settings.case_budget_s:.0f} s"
+        return (
+            f"stopped before N={tokens:,}: extrapolated {predicted:.0f} s > case budget {settings.case_budget_s:.0f} s"
+        )
     return None
 
 
@@ -99,9 +104,12 @@ def run_sweep(
     """
     run_case = run_case or _run_child
     started = time.perf_counter()
-    cases, stops = [], {}
+    cases: list[dict] = []
+    stops: dict[Series, str] = {}
     measured: dict[Series, list[dict]] = {series: [] for series in series_list}
-    order = [(n, series) for group in (series_list[:lead], series_list[lead:]) for n in sorted(tokens) for series in group]
+    order = [
+        (n, series) for group in (series_list[:lead], series_list[lead:]) for n in sorted(tokens) for series in group
+    ]
     for n, series in order:
         record = {"series": asdict(series), "name": series.name, "tokens": n, "batch": settings.batch}
         if series not in stops and time.perf_counter() - started > settings.budget_s:
@@ -114,9 +122,14 @@ def run_sweep(
             if record["status"] == "ok":
                 measured[series].append(record)
             else:
-                stops[series] = f"{record['status'].upper() if record['status'] == 'oom' else record['status']} at N={n:,}"
+                stops[series] = (
+                    f"{record['status'].upper() if record['status'] == 'oom' else record['status']} at N={n:,}"
+                )
         cases.append(record)
         if on_case is not None:
             on_case(record)
-    return {"cases": cases, "stops": {series.name: reason for series, reason in stops.items()},
-            "elapsed_s": time.perf_counter() - started}
+    return {
+        "cases": cases,
+        "stops": {series.name: reason for series, reason in stops.items()},
+        "elapsed_s": time.perf_counter() - started,
+    }

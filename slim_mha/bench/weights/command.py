@@ -64,7 +64,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         examples=_EXAMPLES,
     )
     parser.add_argument(
-        "--shape", action="append", metavar="BxLxExH",
+        "--shape",
+        action="append",
+        metavar="BxLxExH",
         help="batch x seq_len x embed_dim x heads; repeatable (default: 4x512x512x8, 8x128x256x8, 16x64x256x8)",
     )
     parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
@@ -78,13 +80,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--blocks", type=int, default=0, metavar="N", help="also time slim forced into N blocks of query rows"
     )
     parser.add_argument(
-        "--one-pass", action="store_true",
+        "--one-pass",
+        action="store_true",
         help="also time slim's own one-pass path, which it takes where stock's kernel does not apply",
     )
     parser.add_argument(
-        "--masks", choices=MASKS, default="none",
+        "--masks",
+        choices=MASKS,
+        default="none",
         help="boolean masks for every contender: padding (the last quarter of the keys of every other "
-             "batch row), causal, or both (default: none)",
+        "batch row), causal, or both (default: none)",
     )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15)", cold=False)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -151,8 +156,10 @@ def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, setti
         "median_ms": {name: summary.median_ms for name, summary in timings.items()},
         "ratios": {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in pairs},
         "paired_ratios": {
-            f"{a}_over_{b}": {"median": median_of_ratios(samples[a], samples[b]),
-                              "quartiles": quartiles_of_ratios(samples[a], samples[b])}
+            f"{a}_over_{b}": {
+                "median": median_of_ratios(samples[a], samples[b]),
+                "quartiles": quartiles_of_ratios(samples[a], samples[b]),
+            }
             for a, b in pairs
         },
         "peak_bytes": peaks,
@@ -204,13 +211,15 @@ def format_verdict(results: list[dict], busy: int) -> str:
     floor = [result["paired_ratios"]["slim_over_floor"]["median"] for result in results]
     memory = [result["peak_bytes"]["slim"] <= result["peak_bytes"]["stock"] for result in results]
     excess = max(result["peak_bytes"]["slim"] - result["peak_bytes"]["stock"] for result in results)
-    return "\n".join([
-        f"stock/slim (paired) >= {least:.2f} {'quiet' if busy == 0 else 'beside busy processes'}: "
-        f"{sum(ratio >= least for ratio in speed)}/{len(results)} shapes (least {min(speed):.3f}x)",
-        f"slim/floor (paired) <= 1.05: {sum(ratio <= 1.05 for ratio in floor)}/{len(results)} shapes "
-        f"(most {max(floor):.3f}x)",
-        f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes{excess_text(excess)}",
-    ])
+    return "\n".join(
+        [
+            f"stock/slim (paired) >= {least:.2f} {'quiet' if busy == 0 else 'beside busy processes'}: "
+            f"{sum(ratio >= least for ratio in speed)}/{len(results)} shapes (least {min(speed):.3f}x)",
+            f"slim/floor (paired) <= 1.05: {sum(ratio <= 1.05 for ratio in floor)}/{len(results)} shapes "
+            f"(most {max(floor):.3f}x)",
+            f"peak memory slim <= stock: {sum(memory)}/{len(results)} shapes{excess_text(excess)}",
+        ]
+    )
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -240,8 +249,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(format_verdict(results, args.busy))
     print(f"elapsed {time.perf_counter() - started:.0f} s")
     if args.json:
-        payload = {"command": " ".join(["python -m slim_mha.bench", *argv]), "settings": settings.__dict__,
-                   "allocator_state": args.allocator, "busy_processes": args.busy,
-                   "environment": describe_environment(device), "results": results}
+        payload = {
+            "command": " ".join(["python -m slim_mha.bench", *argv]),
+            "settings": settings.__dict__,
+            "allocator_state": args.allocator,
+            "busy_processes": args.busy,
+            "environment": describe_environment(device),
+            "results": results,
+        }
         write_json(args.json, payload)
     return 0
