@@ -49,6 +49,7 @@ ledger recorded it (see :mod:`._staging`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 
@@ -146,22 +147,9 @@ def strip_checkpoint(
 
     Output files and folders get their source's permission bits, as ``cp -p`` does, whatever the umask.
     """
-    from ._migrate import MigrationOptions, migrate
+    from ._migrate import migrate
 
-    options = MigrationOptions(
-        zero_attn=zero_attn,
-        fold_value_bias=fold_value_bias,
-        verify=verify,
-        dry_run=dry_run,
-        force=force,
-        companions=companions,
-        progress=progress,
-        follow_outside_links=follow_outside_links,
-        allow_expand=allow_expand,
-        keep=keep,
-        keep_inexact=keep_inexact,
-    )
-    return migrate("strip", source, destination, options)
+    return migrate("strip", source, destination, _options(locals()))
 
 
 def fold_checkpoint(
@@ -185,20 +173,9 @@ def fold_checkpoint(
     their key bias and are left as stock has them; a key-bias-free input is turned back into stock's
     layout. The arguments are those of :func:`strip_checkpoint`.
     """
-    from ._migrate import MigrationOptions, migrate
+    from ._migrate import migrate
 
-    options = MigrationOptions(
-        zero_attn=zero_attn,
-        fold_value_bias=fold_value_bias,
-        verify=verify,
-        dry_run=dry_run,
-        force=force,
-        companions=companions,
-        progress=progress,
-        follow_outside_links=follow_outside_links,
-        allow_expand=allow_expand,
-    )
-    return migrate("fold", source, destination, options)
+    return migrate("fold", source, destination, _options(locals()))
 
 
 def to_stock_checkpoint(
@@ -220,19 +197,18 @@ def to_stock_checkpoint(
     The dropped key bias comes back as a zero slice of ``in_proj_bias`` (and a folded value bias as a
     zero value slice). The arguments are those of :func:`strip_checkpoint`.
     """
-    from ._migrate import MigrationOptions, migrate
+    from ._migrate import migrate
 
-    options = MigrationOptions(
-        zero_attn=zero_attn,
-        verify=verify,
-        dry_run=dry_run,
-        force=force,
-        companions=companions,
-        progress=progress,
-        follow_outside_links=follow_outside_links,
-        allow_expand=allow_expand,
-    )
-    return migrate("to-stock", source, destination, options)
+    return migrate("to-stock", source, destination, _options(locals()))
+
+
+def _options(arguments: dict):
+    """The run's options from a public function's arguments (its ``locals()`` on entry): the keyword
+    arguments are named as ``MigrationOptions``'s fields (``tests/test_migration_users.py`` checks)."""
+    from ._migrate import MigrationOptions
+
+    names = {field.name for field in dataclasses.fields(MigrationOptions)}
+    return MigrationOptions(**{name: value for name, value in arguments.items() if name in names})
 
 
 def inspect_checkpoint(source: PathLike, *, zero_attn: Iterable[str] = ()) -> MigrationReport:

@@ -21,6 +21,8 @@ from slim_mha.bench.measure.load import competing_load
 from slim_mha.bench.scale import command as scale_command
 from slim_mha.bench.weights import command as weights_command
 
+# One quick repeat: what the command does, not how fast.
+_QUICK = ["--repeats", "2", "--warmup", "1", "--min-sample-ms", "0"]
 TINY = ["--shape", "2x16x32x4", "--repeats", "2", "--warmup", "1", "--min-sample-ms", "0", "--device", "cpu"]
 
 
@@ -309,12 +311,7 @@ def test_weights_command_times_stock_slim_the_floor_and_blocks_and_restores_the_
         "--blocks",
         "2",
         "--one-pass",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--min-sample-ms",
-        "0",
+        *_QUICK,
         "--json",
         str(path),
     ]
@@ -434,12 +431,7 @@ def test_weights_command_passes_masks_to_every_contender(capsys, tmp_path):
         "--masks",
         "both",
         "--one-pass",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--min-sample-ms",
-        "0",
+        *_QUICK,
         "--json",
         str(path),
     ]

@@ -178,3 +178,17 @@ def test_the_readmes_layer_reports_a_change_with_an_error(tmp_path, layer_file, 
     code, out, _ = run_cli(["fold", layer_file, tmp_path / "f.safetensors", "--verify"], capsys)
     assert code == 0 and "self_attn: zero the key slot of in_proj_bias [verified, error" in out
     assert load_file(tmp_path / "f.safetensors")["self_attn.in_proj_bias"][E : 2 * E].abs().max() == 0
+
+
+def test_every_keyword_of_the_public_functions_is_an_option_they_pass_on():
+    """The public functions hand their keyword arguments to MigrationOptions by name: none is lost."""
+    import dataclasses
+    import inspect
+
+    import slim_mha.migration as migration
+    from slim_mha.migration._migrate import MigrationOptions
+
+    fields = {field.name for field in dataclasses.fields(MigrationOptions)}
+    for function in (migration.strip_checkpoint, migration.fold_checkpoint, migration.to_stock_checkpoint):
+        keywords = [p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        assert keywords and set(keywords) <= fields, function.__name__
