@@ -45,6 +45,7 @@ __all__ = [
     "refuse_folded_value_bias",
     "refuse_rows_masked_from_every_key",
     "shadow_tree",
+    "slim_stands_for",
     "stock_counterpart",
 ]
 
@@ -104,6 +105,12 @@ def rebuild_as(module: nn.Module, cls: type[M], **attributes) -> M:
     return new
 
 
+def slim_stands_for(cls: type) -> type | None:
+    """The stock class a slim class (or a subclass of one) stands for, from its ``_scripted_as``;
+    ``None`` for any other class. The one reading of that mark: scripting and inspection use it."""
+    return getattr(cls, "_scripted_as", None)
+
+
 # What a class body holds that its metaclass makes anew for every class.
 _MADE_PER_CLASS = ("__dict__", "__weakref__", "_abc_impl")
 # Each slim class sets ``_scripted_as``, the stock class TorchScript compiles in its place.
@@ -128,7 +135,7 @@ _COUNTERPARTS: dict[type, type] = {}  # one counterpart class per class, as Torc
 def _counterpart_of(cls: type) -> type:
     if "_scripted_as" in cls.__dict__:
         return cls.__dict__["_scripted_as"]
-    if not any(hasattr(base, "_scripted_as") for base in cls.__bases__):
+    if not any(slim_stands_for(base) for base in cls.__bases__):
         return cls
     bases = tuple(stock_counterpart(base) for base in cls.__bases__)
     body = {name: value for name, value in cls.__dict__.items() if name not in _MADE_PER_CLASS}
@@ -175,7 +182,7 @@ def shadow_tree(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> 
 
 
 def _holds_slim(module: object) -> bool:
-    return isinstance(module, nn.Module) and any(hasattr(type(child), "_scripted_as") for child in module.modules())
+    return isinstance(module, nn.Module) and any(slim_stands_for(type(child)) for child in module.modules())
 
 
 def _prepare_on_a_shadow(prepare):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ._swap import slim_stands_for
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 
 __all__ = ["AttentionMaps", "PathReport", "PathRow", "explain", "recording_attention"]
@@ -47,9 +48,17 @@ class _Recording:
     maps: AttentionMaps
 
 
+def _watching(module: nn.Module) -> Iterator[tuple[_Recording, str]]:
+    """Each open recording block that watches ``module``, with the name it knows the module by."""
+    for recording in RECORDING:
+        name = recording.names.get(id(module))
+        if name is not None:
+            yield recording, name
+
+
 def watched(module: nn.Module) -> bool:
     """Whether an open :func:`recording_attention` block watches ``module``."""
-    return any(id(module) in recording.names for recording in RECORDING)
+    return any(True for _ in _watching(module))
 
 
 @contextmanager
@@ -78,18 +87,15 @@ def recording_attention(model: nn.Module, per_head: bool = False) -> Iterator[At
 
 def deliver(module: nn.Module, weights: Tensor) -> None:
     """Hand one call's per-head weights (``(B, H, L, S)`` or ``(H, L, S)``) to every block watching ``module``."""
-    for recording in RECORDING:
-        name = recording.names.get(id(module))
-        if name is not None:
-            recording.maps[name].append(weights.detach() if recording.per_head else weights.detach().mean(dim=-3))
+    for recording, name in _watching(module):
+        recording.maps[name].append(weights.detach() if recording.per_head else weights.detach().mean(dim=-3))
 
 
 def pad_rows(module: nn.Module, padding: Tensor) -> None:
     """Zero the padded query rows (``padding`` ``(B, L)``, True: not a token) of ``module``'s last maps,
     as a nested batch's output is zero there."""
-    for recording in RECORDING:
-        name = recording.names.get(id(module))
-        if name is not None and recording.maps[name]:
+    for recording, name in _watching(module):
+        if recording.maps[name]:
             last = recording.maps[name][-1]
             rows = padding[:, None, :, None] if last.dim() == 4 else padding[:, :, None]
             recording.maps[name][-1] = last.masked_fill(rows, 0.0)
@@ -97,7 +103,7 @@ def pad_rows(module: nn.Module, padding: Tensor) -> None:
 
 def name_of(module: nn.Module) -> str:
     """The name a recording block knows ``module`` by, for messages."""
-    return next((r.names[id(module)] for r in RECORDING if id(module) in r.names), type(module).__name__)
+    return next((name for _, name in _watching(module)), type(module).__name__)
 
 
 # ------------------------------------------------------------------------------------------ explain
@@ -156,7 +162,11 @@ def explain(model: nn.Module, *args, **kwargs) -> PathReport:
     """
     names = _slim_attention_names(model, "explain")
     names.update(
-        {id(m): name or "(the model)" for name, m in model.named_modules() if _is_slim(m, STOCK_ENCODER_LAYER)}
+        {
+            id(m): name or "(the model)"
+            for name, m in model.named_modules()
+            if slim_stands_for(type(m)) is STOCK_ENCODER_LAYER
+        }
     )
     report = PathReport(names)
     with _opened(EXPLAINING, report):
@@ -167,16 +177,10 @@ def explain(model: nn.Module, *args, **kwargs) -> PathReport:
 # -------------------------------------------------------------------------------------------- both
 
 
-def _is_slim(module: nn.Module, stock: type) -> bool:
-    """Whether ``module`` is slim's version of ``stock``: slim's classes (and subclasses of them) name
-    the stock class they stand for in ``_scripted_as`` (read here so this module imports none of them)."""
-    return getattr(type(module), "_scripted_as", None) is stock
-
-
 def _slim_attention_names(model: nn.Module, caller: str) -> dict[int, str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: expected an nn.Module, got {type(model).__name__}")
-    names = {id(m): name or "(the model)" for name, m in model.named_modules() if _is_slim(m, STOCK_MHA)}
+    names = {id(m): name or "(the model)" for name, m in model.named_modules() if slim_stands_for(type(m)) is STOCK_MHA}
     if not names:
         raise ValueError(
             f"{caller}: {type(model).__name__} holds no slim attention module, so no call would reach slim; "
