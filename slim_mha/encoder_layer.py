@@ -128,9 +128,8 @@ def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mas
     attention, eps, width = layer.self_attn, layer.norm1.eps, (src.shape[-1],)  # the kernel reads norm1.eps alone
     activation = F.gelu if layer.activation_relu_or_gelu == 2 else F.relu
 
-    def attend(
-        x: Tensor,
-    ) -> Tensor:  # forward, not the module's call: no hooks, as in the kernel (torch 2.4 fuses with hooks)
+    def attend(x: Tensor) -> Tensor:
+        # forward, not the module's call: no hooks, as in the kernel (torch 2.4 fuses with hooks)
         return attention.forward(
             x, x, x, key_padding_mask=src_key_padding_mask, need_weights=False, attn_mask=src_mask
         )[0]
