@@ -113,21 +113,15 @@ def strip_checkpoint(
             ``add_zero_attn=True``; a checkpoint cannot record that flag.
         fold_value_bias: also fold ``b_v`` into ``out_proj.bias``: exact for inference (eval) only,
             because dropout on the attention weights breaks the rows summing to one.
-        verify: rebuild every changed module from the original and migrated tensors and compare their
-            outputs on random inputs, then read every written file back (memory-mapped) and compare every
-            tensor, changed or not, with the source or its conversion, before the output is moved into
-            place; a mismatch raises ``RuntimeError`` and nothing is written. The module comparison
-            assumes no unmarked stock module was built with ``add_zero_attn`` (which a stock checkpoint
-            cannot record), and the report names the modules it assumed that for.
+        verify: compare every changed module's outputs, rebuilt from the original and the migrated
+            tensors, on random inputs; then read every written file back and compare every tensor with
+            the source or its conversion, before the output is moved into place. A mismatch raises
+            ``RuntimeError`` and nothing is written. Unmarked modules are assumed built without
+            ``add_zero_attn`` (a checkpoint cannot record it); the report names them.
         dry_run: do everything but write.
-        force: replace an existing destination, only if this tool wrote it: a file only if it is a regular
-            safetensors file carrying slim_mha metadata; a folder only if every entry is a file this run
-            would write and that is ours: a shard or index (named by this run or by the folder's own index)
-            that carries slim_mha metadata, or a companion file that the
-            previous output recorded and that is unchanged, or identical to the one copied now. Anything
-            else is named in the refusal. Never a destination that is, or holds, a file the run reads
-            (symlinks resolved), nor one inside SRC or around it. The replaced DST keeps its permission
-            bits, less any the source lacks.
+        force: replace an existing destination that holds nothing but this tool's own earlier output
+            (files carrying slim_mha metadata, companions it recorded); anything else is named in the
+            refusal. Never one that is or holds a file the run reads, nor one inside SRC or around it.
         companions: for a checkpoint folder, copy its other files (``config.json``, tokenizer files,
             README...; not weight files, not subfolders) unchanged into the output folder, and list
             them in the report. ``False`` leaves them out. A file whose symbolic link leads outside

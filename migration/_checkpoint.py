@@ -393,40 +393,8 @@ def _read_all(opened: OpenedFile, length: int, offset: int = 0) -> bytes:
 
 def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _Opener) -> Checkpoint:
     index_path = opened_index.path
-    try:
-        index = json.loads(_read_all(opened_index, opened_index.size).decode("utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{shown(index_path)}: not a valid index ({exc.msg} at line {exc.lineno}); "
-            "expected JSON with a 'weight_map' of tensor name -> shard file"
-        ) from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{shown(index_path)}: not a valid index (not UTF-8 text); expected a JSON file") from None
-    except RecursionError:
-        raise ValueError(
-            f"{shown(index_path)}: not a valid index (its JSON is nested too deeply to read); expected a "
-            "'weight_map' of tensor name -> shard file"
-        ) from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
-    ):
-        raise ValueError(
-            f"{shown(index_path)}: not a valid index: 'weight_map' must map tensor names to shard file names"
-        )
-    first_key: dict[str, str] = {}
-    for key, name in weight_map.items():
-        if "\0" in name:
-            raise ValueError(
-                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') holds a NUL byte, which no "
-                "file name can; fix the index"
-            )
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(
-                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') is not a plain file name; "
-                "shards must sit beside the index"
-            )
-        first_key.setdefault(name, key)
+    index, weight_map = _read_index(opened_index)
+    first_key = _shard_names(index_path, weight_map)
     shards: list[Shard] = []
     written_as: dict[str, str] = {}  # output shard name -> the input shard written under it
     notes: list[str] = []
@@ -458,8 +426,8 @@ def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _O
             notes += [f"{name}: {note}" for note in shard_notes]
             shards.append(shard)
     _check_index_matches(index_path, weight_map, shards)
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    metadata = {key: value for key, value in metadata.items() if key != "total_size"}
+    given = index.get("metadata")
+    metadata = {key: value for key, value in given.items() if key != "total_size"} if isinstance(given, dict) else {}
     return Checkpoint(
         source,
         "sharded",
@@ -470,6 +438,52 @@ def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _O
         index_path=index_path,
         index_file=opened_index,
     )
+
+
+def _read_index(opened_index: OpenedFile) -> tuple[dict, dict[str, str]]:
+    """The index's JSON and its ``weight_map`` (tensor name -> shard file), each checked."""
+    index_path = opened_index.path
+    try:
+        index = json.loads(_read_all(opened_index, opened_index.size).decode("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{shown(index_path)}: not a valid index ({exc.msg} at line {exc.lineno}); "
+            "expected JSON with a 'weight_map' of tensor name -> shard file"
+        ) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{shown(index_path)}: not a valid index (not UTF-8 text); expected a JSON file") from None
+    except RecursionError:
+        raise ValueError(
+            f"{shown(index_path)}: not a valid index (its JSON is nested too deeply to read); expected a "
+            "'weight_map' of tensor name -> shard file"
+        ) from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(key, str) and isinstance(name, str) for key, name in weight_map.items()
+    ):
+        raise ValueError(
+            f"{shown(index_path)}: not a valid index: 'weight_map' must map tensor names to shard file names"
+        )
+    return index, weight_map
+
+
+def _shard_names(index_path: Path, weight_map: dict[str, str]) -> dict[str, str]:
+    """Each shard the index names, with the first tensor it names it for; refuses a name that is not
+    a plain file name beside the index."""
+    first_key: dict[str, str] = {}
+    for key, name in weight_map.items():
+        if "\0" in name:
+            raise ValueError(
+                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') holds a NUL byte, which no "
+                "file name can; fix the index"
+            )
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(
+                f"{shown(index_path)}: shard name '{shown(name)}' (for '{shown(key)}') is not a plain file name; "
+                "shards must sit beside the index"
+            )
+        first_key.setdefault(name, key)
+    return first_key
 
 
 def _check_index_matches(index_path: Path, weight_map: dict[str, str], shards: list[Shard]) -> None:

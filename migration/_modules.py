@@ -9,6 +9,7 @@ exactly; otherwise the checkpoint is refused, never changed by a guess.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._checkpoint import FLOAT_DTYPES, Checkpoint, TensorRecord
@@ -121,6 +122,17 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
             f"'{shown(prefix)}' do not fit nn.MultiheadAttention, so nothing was changed: fix or rename them"
         )
 
+    _check_layout(prefix, records, fail)
+    embed_dim, kdim, vdim = _check_shapes(prefix, records, fail)
+    _check_biases(prefix, records, fail)
+    return AttentionGroup(prefix, records, embed_dim, kdim, vdim)
+
+
+_Fail = Callable[[str, str], ValueError]  # the error naming a tensor of the group, and its problem
+
+
+def _check_layout(prefix: str, records: dict[str, TensorRecord], fail: _Fail) -> None:
+    """One of stock's two layouts of the input projection, and the output projection beside it."""
     separate = [name for name in _SEPARATE if name in records]
     if "in_proj_weight" in records and separate:
         raise fail(separate[0], "is present together with in_proj_weight (stock has one or the other)")
@@ -134,6 +146,9 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
         anchor = "in_proj_weight" if "in_proj_weight" in records else "q_proj_weight"
         raise fail(anchor, f"has no {prefix}out_proj.weight beside it")
 
+
+def _check_shapes(prefix: str, records: dict[str, TensorRecord], fail: _Fail) -> tuple[int, int, int]:
+    """Float dtypes, and every shape as stock's ``__init__`` makes it: ``embed_dim``, ``kdim``, ``vdim``."""
     for local, record in records.items():
         if record.dtype not in FLOAT_DTYPES:
             raise fail(local, f"has dtype {record.dtype}; attention parameters must be F16, BF16, F32 or F64")
@@ -169,7 +184,11 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
                 f"has shape {list(records[local].shape)}, expected {shape} for embed_dim={embed_dim} "
                 f"(from {prefix}out_proj.weight)",
             )
+    return embed_dim, kdim, vdim
 
+
+def _check_biases(prefix: str, records: dict[str, TensorRecord], fail: _Fail) -> None:
+    """The biases of one layout (stock's or the key-bias-free one), all of them or none."""
     slim = [name for name in _SLIM_BIASES if name in records]
     if "in_proj_bias" in records and slim:
         raise fail(slim[0], "is present together with in_proj_bias (mixes the stock and slim layouts)")
@@ -183,4 +202,3 @@ def _check_group(prefix: str, records: dict[str, TensorRecord]) -> AttentionGrou
         if has_bias:
             raise fail("out_proj.weight", f"has input biases but no {prefix}out_proj.bias (bias=True sets both)")
         raise fail("out_proj.bias", "is present without input biases (bias=False drops both)")
-    return AttentionGroup(prefix, records, embed_dim, kdim, vdim)

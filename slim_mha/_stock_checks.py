@@ -1,5 +1,6 @@
 """Stock ``nn.MultiheadAttention``'s call (:class:`AttentionCall`, its arguments recorded once and passed
-whole), its input checks and mask rules, as plain Python; and stock's fast-path rules.
+whole), its input checks and mask rules, as plain Python, and the call as they leave it for slim's
+own path (:class:`PreparedCall`); whether autograd records a call; and stock's fast-path rules.
 
 Stock calls the private ``torch.nn.functional._mha_shape_check``, ``_canonical_mask`` and
 ``_none_or_dtype``. Calling them from here would tie us to torch's private API, and on older
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._torch_compat import records_graph, stock_layer_unfuses_for_hooks
+from ._torch_compat import stock_layer_unfuses_for_hooks
 
 # Observed once, at import: read inside compiled code, where a first call would be traced.
 _HOOKS_UNFUSE = stock_layer_unfuses_for_hooks()
@@ -40,6 +41,86 @@ class AttentionCall(NamedTuple):
     attn_mask: Tensor | None
     average_attn_weights: bool
     is_causal: bool
+
+
+class PreparedCall(NamedTuple):
+    """A call as stock's checks leave it, and what slim's own path reads of it: the one place
+    where that path asks stock's rules (:func:`prepare_call`)."""
+
+    query: Tensor  # batched: an unbatched call is a batch of one, batch-first
+    key: Tensor
+    value: Tensor
+    batch_first: bool  # the layout of the three above
+    fused: str  # stock's fused input projection: "qkv" (one matmul), "kv" (keys and values), "" (none)
+    weights_graph: bool  # a call with weights that autograd records (asked of those alone: none else reads it)
+    batch_major: bool  # stock returns (B, L, E) memory: its native fast path, or an unbatched call
+    mask: Tensor | None  # additive, broadcastable to (B, H, L, S + appended)
+    is_causal: bool  # SDPA may take the is_causal hint instead of the mask
+
+
+def prepare_call(module, call: AttentionCall) -> PreparedCall:
+    """Stock's checks of ``call`` to ``module``, in stock's order, with its exceptions; its mask rules
+    (:func:`attention_mask`); and the facts slim's own path reads: the layout, the fusing, whether
+    autograd records the call and whether stock would return batch-major memory."""
+    query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
+    state = module.__dict__  # read from the dictionary: a call of the smallest sizes is a few dozen microseconds
+    batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, state["num_heads"])
+    if not batched:  # a batch of one, batch-first: new tensors, so stock projects them apart too
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    same_width = state["_qkv_same_embed_dim"]
+    check_embed_dims(query, key, value, state["embed_dim"], same_width)
+    fast_path = batched and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
+    batch_first = state["batch_first"] or not batched
+    if batch_first:
+        batch, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
+    else:
+        batch, tgt_len, src_len = query.shape[1], query.shape[0], key.shape[0]
+    mask, is_causal = attention_mask(
+        attn_mask,
+        key_padding_mask,
+        is_causal,
+        need_weights,
+        query.dtype,
+        batch=batch,
+        num_heads=state["num_heads"],
+        tgt_len=tgt_len,
+        src_len=src_len,
+        appended=int(module.bias_k is not None) + int(state["add_zero_attn"]),
+        stock_fast_path=fast_path,
+    )
+    fused = "qkv" if same_width and query is key and key is value else "kv" if same_width and key is value else ""
+    weights_graph = need_weights and module_records_graph(module, query, key, value, attn_mask, key_padding_mask)
+    return PreparedCall(query, key, value, batch_first, fused, weights_graph, fast_path or not batched, mask, is_causal)
+
+
+def records_graph(*tensors: Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors: grad mode is on and one of them requires grad
+    (``None`` entries skipped). The one copy of the rule: path choice, stock's fast-path tests and
+    slim's own path read it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def module_records_graph(module, *inputs: Tensor | None) -> bool:
+    """:func:`records_graph` of a call of an attention ``module`` on ``inputs`` (its tensors and masks)
+    and of every parameter the call reads: the module's, its output projection's, and the originals
+    behind parametrized ones (``torch.nn.utils.parametrize``). Read from the dictionaries, the
+    inputs first: right after a call's large ops each look-up costs several times its idle price."""
+    if not torch.is_grad_enabled():
+        return False
+    if records_graph(*inputs):
+        return True
+    out_proj = module._modules["out_proj"]  # stock's __init__ registers it, always
+    return any(
+        parameter is not None and parameter.requires_grad
+        for owner in (module, out_proj)
+        for parameters in (
+            owner._parameters.values(),
+            owner._modules["parametrizations"].parameters() if "parametrizations" in owner._modules else (),
+        )
+        for parameter in parameters
+    )
 
 
 def is_batched_mha_input(
@@ -181,31 +262,6 @@ def attention_mask(
     return attn_mask, False
 
 
-def refuse_mask_of_another_dtype(
-    mask: Tensor | None, scores_dtype: torch.dtype, attn_mask: Tensor | None, key_padding_mask: Tensor | None
-) -> None:
-    """Stock's refusal of a float mask whose dtype is not the scores', on a call that returns weights.
-
-    Stock adds the mask to the scores with ``baddbmm``, which raises on any other dtype, in every
-    mode. Slim's passes without a graph add it in place, which would cast it silently, so the
-    refusal is made here, once, for all of them. Without weights SDPA takes the mask and decides, on
-    stock and slim alike (it accepts float32 masks for any query). Under autocast ``baddbmm`` casts
-    the mask with the scores, so the ops decide there too.
-    """
-    if mask is None or mask.dtype == scores_dtype or torch.is_autocast_enabled(mask.device.type):
-        return
-    named = [
-        f"{name} ({given.dtype})"
-        for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
-        if given is not None and given.is_floating_point() and given.dtype != scores_dtype
-    ]
-    raise RuntimeError(
-        f"{' and '.join(named) or f'the merged mask ({mask.dtype})'} cannot be added to {scores_dtype} "
-        f"attention scores when weights are returned: pass a bool mask or a {scores_dtype} one "
-        "(stock raises here too)"
-    )
-
-
 def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:
     """2-D ``(L, S)`` stays; 3-D ``(B*H, L, S)`` becomes ``(B, H, L, S)``; stock's checks and messages."""
     if attn_mask.dim() == 2:
@@ -259,7 +315,7 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
     return not (
         torch.overrides.has_torch_function(tensors)
         or not all(t.is_cpu or t.is_cuda for t in tensors)
-        or records_graph(*tensors)
+        or module_records_graph(module, query, attn_mask, key_padding_mask)
     )
 
 

@@ -10,6 +10,7 @@ import functools
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 import torch.nn.modules.activation
 import torch.nn.modules.transformer
 from torch import Tensor, nn
@@ -21,11 +22,9 @@ __all__ = [
     "is_capturing_graph",
     "is_capturing_or_transforming",
     "is_symbolic_call",
-    "records_graph",
     "stock_head_split",
     "stock_kernel",
     "stock_layer_unfuses_for_hooks",
-    "takes_stock_heads",
     "wrap_jit_prepare",
 ]
 
@@ -34,13 +33,6 @@ __all__ = [
 STOCK_MHA = torch.nn.modules.activation.MultiheadAttention
 # Likewise the encoder layer, whose fused inference kernel takes the attention's parameters directly.
 STOCK_ENCODER_LAYER = torch.nn.modules.transformer.TransformerEncoderLayer
-
-
-def records_graph(*tensors: Tensor | None) -> bool:
-    """Whether autograd records an op on these tensors: grad mode is on and one of them requires grad
-    (``None`` entries skipped). The one copy of the rule: path choice, stock's fast-path tests and
-    slim's own path read it."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def is_capturing_graph() -> bool:
@@ -103,20 +95,22 @@ def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy
     return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
 
 
-def stock_head_split(projected: Tensor, bias: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Stock's native kernel's step after its input matmul, for ``projected`` ``(B, L, 3E)``: adds
-    ``bias``, scales the queries by ``1/sqrt(D)`` and writes q, k, v head-major, contiguous
-    ``(B, H, L, D)``, in one op. Private: ``torch._transform_bias_rescale_qkv`` (no autograd),
-    present and used so by ``nn.MultiheadAttention`` on every tested version; it crashes the
-    process on an empty batch, so callers pass only non-empty inputs.
+def stock_head_split(
+    query: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Stock's native kernel's input projection of batch-first self-attention ``query`` ``(B, L, E)``
+    without a graph: its matmul, then one op that adds ``bias`` (zeros where ``None``), scales the
+    queries by ``1/sqrt(D)`` and writes q, k, v head-major, contiguous ``(B, H, L, D)``.
+
+    ``None`` where it does not apply: a weight or bias of another dtype than the query's, or an
+    empty input, on which the op crashes the process. Private: ``torch._transform_bias_rescale_qkv``
+    (no autograd), present and used so by ``nn.MultiheadAttention`` on every tested version.
     """
-    assert projected.numel() > 0, "stock_head_split needs a non-empty input"
-    return torch._transform_bias_rescale_qkv(projected, bias, num_heads)
-
-
-def takes_stock_heads(query: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether :func:`stock_head_split` applies to a call without a graph: one dtype, a non-empty input."""
-    return query.numel() > 0 and weight.dtype == query.dtype and (bias is None or bias.dtype == query.dtype)
+    if query.numel() == 0 or weight.dtype != query.dtype or (bias is not None and bias.dtype != query.dtype):
+        return None
+    if bias is None:
+        bias = weight.new_zeros(weight.shape[0])
+    return torch._transform_bias_rescale_qkv(F.linear(query, weight), bias, num_heads)
 
 
 def stock_kernel(

@@ -10,15 +10,7 @@ from torch import Tensor, nn
 
 from . import inspection, unread_weights
 from ._explicit_attention import attention_with_weights, query_scale
-from ._stock_checks import (
-    AttentionCall,
-    attention_mask,
-    check_embed_dims,
-    is_batched_mha_input,
-    refuse_mask_of_another_dtype,
-    stock_module_takes_fast_path,
-    stock_returns_batch_major,
-)
+from ._stock_checks import AttentionCall, PreparedCall, prepare_call, stock_module_takes_fast_path
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
@@ -30,10 +22,8 @@ from ._torch_compat import (
     fx_proxy_of,
     is_capturing_or_transforming,
     is_symbolic_call,
-    records_graph,
     stock_head_split,
     stock_kernel,
-    takes_stock_heads,
 )
 from .bias import (
     key_bias,
@@ -240,97 +230,85 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
     def _general(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        query, key, value, key_padding_mask, need_weights, attn_mask, average, is_causal = call
-        is_batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, self.num_heads)
-        batch_first = self.batch_first or not is_batched
-        if not is_batched:  # unbatched (L, E): a batch of one, batch-first
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        check_embed_dims(query, key, value, self.embed_dim, self._qkv_same_embed_dim)
+        """Slim's own path, top to bottom: stock's checks and masks, the projections without the key
+        bias, the appended tokens, the kernel (SDPA, or the explicit one where weights are asked
+        for), the heads merged in stock's layout, the output projection."""
+        need_weights, dropout_p, H = call.need_weights, (self.dropout if self.training else 0.0), self.num_heads
+        prepared = prepare_call(self, call)  # batched, stock's checks and masks, its layout and fusing
+        symbolic = is_symbolic_call(call.query)  # asked once: the projections and the weights path need it
 
-        dropout_p = self.dropout if self.training else 0.0
-        symbolic = is_symbolic_call(query)  # asked once: the projections and the weights path both need it
-        # Weights without a graph: the queries may come scaled, from stock's own head-split op.
-        q, k, v, q_scaled = self._project(
-            query, key, value, batch_first, symbolic=symbolic, weights_pass=need_weights and dropout_p == 0.0
-        )  # (B, H, L, D), (B, H, S, D) x2
-        (batch, _, tgt_len, _), src_len = q.shape, k.shape[2]
-        appended = int(self.bias_k is not None) + int(self.add_zero_attn)
-        stock_fast_path = is_batched and stock_returns_batch_major(self, *call[:3], attn_mask, key_padding_mask)
-        mask, is_causal = attention_mask(
-            attn_mask,
-            key_padding_mask,
-            is_causal,
-            need_weights,
-            query.dtype,
-            batch=batch,
-            num_heads=self.num_heads,
-            tgt_len=tgt_len,
-            src_len=src_len,
-            appended=appended,
-            stock_fast_path=stock_fast_path,
-        )  # additive, broadcastable to (B, H, L, S + appended)
+        # Weights in one pass, without a graph: q, k and v head-major, each head's rows one matrix, the
+        # queries scaled, so the weights path multiplies them as they are and writes into the queries.
+        one_pass = need_weights and dropout_p == 0.0 and not (symbolic or prepared.weights_graph)
+        heads = None  # stock's native kernel's own head split, where it applies: one op for all three
+        if one_pass and prepared.batch_first and prepared.fused == "qkv":
+            heads = stock_head_split(prepared.query, self.in_proj_weight, self._packed_bias(symbolic=False), H)
+        q, k, v = heads if heads is not None else self._project(prepared, one_pass, symbolic)  # (B, H, len, D)
+        del heads  # q, k and v alone hold the projections: they go before the output projection
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
 
+        mask = prepared.mask
         if need_weights:
-            refuse_mask_of_another_dtype(mask, q.dtype, attn_mask, key_padding_mask)
             out, weights = attention_with_weights(
-                q, k, v, mask, dropout_p, average, q_scaled=q_scaled, symbolic=symbolic
+                q,
+                k,
+                v,
+                mask,
+                dropout_p,
+                call.average_attn_weights,
+                q_scaled=one_pass,
+                symbolic=symbolic,
+                graph=prepared.weights_graph,
+                given_masks=(call.attn_mask, call.key_padding_mask),
             )
         else:
             if mask is not None and has_folded_value_bias(self):
                 refuse_rows_masked_from_every_key(mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=prepared.is_causal
+            )
             weights = None
 
         # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory
         # behind a batch-first view wherever stock's Python path would run (training, above all).
-        batch_major = batch_first and (not is_batched or stock_fast_path)
+        batch_first, batch_major = prepared.batch_first, prepared.batch_major
         # Where SDPA wrote (B, L, H, D) memory, the heads merge for free and stock's (L, B, E) memory
         # is laid out after the output projection: the projection then saves SDPA's output itself for
         # backward, which SDPA saves anyway, not a copy beside it (stock's output is its SDPA output).
         late = batch_first and not batch_major and out.transpose(1, 2).is_contiguous()
         out = merge_heads(out, batch_major or late)
-        del q, k, v, mask  # free the projections before the output projection allocates: lower peak
+        del q, k, v, mask, prepared  # free the projections before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if late:
             out = out.transpose(0, 1).contiguous().transpose(0, 1)  # (B, L, E) view of (L, B, E) memory
         elif batch_first and not batch_major:
             out = out.transpose(0, 1)  # (B, L, E) view of (L, B, E) memory, as stock returns it
-        if not is_batched:
+        if call.query.dim() == 2:  # unbatched: the batch of one goes
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
         return out, weights
 
     # --------------------------------------------------------------------------------- the steps
 
-    def _project(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        batch_first: bool,
-        *,
-        symbolic: bool,
-        weights_pass: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor, bool]:
-        """Input projections without the key bias, fused as far as the inputs allow: q, k and v
-        ``(B, H, len, D)``, and whether the queries come scaled by ``1/sqrt(D)``.
+    def _packed_bias(self, *, symbolic: bool) -> Tensor | None:
+        """``[b_q; 0; b_v]``, the bias of a fused projection: the key's rows never reach a sum. One op
+        in eager calls; under traces and transforms from pieces whose graph holds no constant."""
+        bias = self.in_proj_bias
+        if bias is None or symbolic:
+            return without_key_bias(bias, self.embed_dim)
+        return without_key_bias_eager(bias)
 
-        They are views of the projections, except where ``weights_pass`` (weights without dropout)
-        meets a call without a graph: the one-pass weights path multiplies each head's rows as one
-        matrix, so q, k and v come head-major and contiguous, the queries scaled, each copied in one
-        op as its projection dies rather than later beside it. Batch-first self-attention takes
-        stock's native head split there (:func:`~slim_mha._torch_compat.stock_head_split`), which
-        adds the bias, scales and lays out all three in one op. ``symbolic``:
-        :func:`~slim_mha._torch_compat.is_symbolic_call` for this call.
+    def _project(self, prepared: PreparedCall, one_pass: bool, symbolic: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Input projections without the key bias, fused as stock fuses them: q, k and v ``(B, H, len, D)``.
+
+        Views of the projections, except in ``one_pass`` (weights without dropout, a graph or a trace):
+        that path multiplies each head's rows as one matrix, so q, k and v come head-major and
+        contiguous, the queries scaled, each copied in one op as its projection dies rather than
+        later beside it.
         """
+        query, key, value, batch_first = prepared.query, prepared.key, prepared.value, prepared.batch_first
         E, H = self.embed_dim, self.num_heads
         bias, weight = self.in_proj_bias, self.in_proj_weight
-        # Weights in one pass, without a graph: q, k and v go to it head-major, each head's rows one
-        # matrix, copied here in one op each as their projection dies, not later while it lives.
-        one_pass = weights_pass and not symbolic and not records_graph(query, key, value, *self._parameters.values())
 
         def project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             if bias is not None and bias.dtype != x.dtype:  # as stock's Python path: a promoting add
@@ -345,35 +323,25 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
         # Parts are passed, not read off weight.shape: under jit.trace a size read becomes a graph
         # value, and its conversion back to int lands at different places in the two traces.
-        self_attention = self._qkv_same_embed_dim and query is key and key is value
-        if self_attention or (self._qkv_same_embed_dim and key is value):
-            # A fused projection takes the key's rows: [b_q; 0; b_v], in one op in eager calls, else
-            # from pieces whose graph holds no constant. Either way the key slot never reaches a sum.
-            if bias is None or symbolic:
-                packed = without_key_bias(bias, E)
-            else:
-                packed = without_key_bias_eager(bias)
-        if self_attention:  # one matmul
-            if one_pass and batch_first and takes_stock_heads(query, weight, packed):
-                if packed is None:
-                    packed = weight.new_zeros(3 * E)
-                q, k, v = stock_head_split(F.linear(query, weight), packed, H)
-                return q, k, v, True
-            q, k, v = split_heads(project(query, weight, packed), 3, H, batch_first, contiguous=one_pass)
+        if prepared.fused == "qkv":  # self-attention: one matmul
+            q, k, v = split_heads(
+                project(query, weight, self._packed_bias(symbolic=symbolic)), 3, H, batch_first, contiguous=one_pass
+            )
             if one_pass:  # the copy is ours: the queries scaled in place, as stock's head split scales them
                 q.mul_(query_scale(q.shape[-1]))
-            return q, k, v, one_pass
+            return q, k, v
         # Splits, not slices: under autograd a split's backward is one cat into the gradient, where
         # each slice's backward zero-fills a gradient of the whole parameter and adds into it.
-        if self._qkv_same_embed_dim and key is value:  # encoder-decoder attention: one matmul for keys and values
+        if prepared.fused == "kv":  # encoder-decoder attention: one matmul for keys and values
             w_q, w_kv = weight.split_with_sizes((E, 2 * E))
+            packed = self._packed_bias(symbolic=symbolic)
             b_q, kv_bias = packed.split_with_sizes((E, 2 * E)) if packed is not None else (None, None)
             del packed
             q = queries(project(query, w_q, b_q))
             projected = project(key, w_kv, kv_bias)
             del b_q, kv_bias  # the built bias is freed before the copies: it is not kept beside them
             k, v = split_heads(projected, 2, H, batch_first, contiguous=one_pass)
-            return q, k, v, one_pass
+            return q, k, v
         b_q, _, b_v = bias.split_with_sizes((E, E, E)) if bias is not None else (None, None, None)
         if self._qkv_same_embed_dim:
             w_q, w_k, w_v = weight.split_with_sizes((E, E, E))
@@ -382,7 +350,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         q = queries(project(query, w_q, b_q))
         (k,) = split_heads(project(key, w_k, None), 1, H, batch_first, contiguous=one_pass)  # no key bias
         (v,) = split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
-        return q, k, v, one_pass
+        return q, k, v
 
     def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.

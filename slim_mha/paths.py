@@ -1,8 +1,26 @@
 """The one owner of the path an attention call takes: :func:`choose_path`.
 
 Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its here, and
-``SlimMultiheadAttention.forward`` reads: choose, run. The rules and the measurements behind them
-are in ``benchmarks/RESULTS.md``, "Paths".
+``SlimMultiheadAttention.forward`` reads: choose, run. The paths:
+
+* ``"traced"``: ``torch.fx`` symbolic tracing records the call, as it records stock's;
+* ``"nested"``: nested tensors, which only stock's native kernel takes;
+* ``"recorded"``: a :func:`slim_mha.recording_attention` block watches the module: the call
+  computes stock's weights on the path :func:`choose_path` picks for it with ``recording=False``,
+  hands them to the block, and returns what the caller asked for;
+* ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
+  masks or a graph where stock's fast path would run it: with weights always (it is the floor),
+  without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
+  the CPU's autocast (where stock runs its kernel too);
+* ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
+  weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
+  batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
+* ``"sdpa"``: the same self-attention without weights, in slim's fewest ops: one projection,
+  ``scaled_dot_product_attention``, the output projection;
+* ``"general"``: slim's general path, every feature (masks, weights, appended tokens, other
+  layouts), and slim's options around it (the equivariance check, skipped weights).
+
+The rules and the measurements behind them are in ``benchmarks/RESULTS.md``, "Paths".
 """
 
 from __future__ import annotations
@@ -13,11 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from . import inspection
-from ._explicit_attention import blocks_forced
-from ._memory_guard import below_checked_size
-from ._stock_checks import AttentionCall, stock_module_takes_fast_path
+from ._explicit_attention import below_checked_size, blocks_forced
+from ._stock_checks import AttentionCall, module_records_graph, stock_module_takes_fast_path
 from ._swap import FOLDED_VALUE_BIAS
-from ._torch_compat import is_symbolic_call, records_graph
+from ._torch_compat import is_symbolic_call
 from .equivariance import _mode as _equivariance
 
 __all__ = ["ONE_PASS_FROM_SCORE_BYTES", "STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
@@ -48,26 +65,8 @@ ONE_PASS_FROM_SCORE_BYTES = 64 << 10
 
 
 def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording: bool = True) -> tuple[str, str]:
-    """The path ``call`` takes, and why it cannot take a shorter one (``""`` when it takes one).
-
-    The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's:
-
-    * ``"traced"``: ``torch.fx`` symbolic tracing records the call, as it records stock's;
-    * ``"nested"``: nested tensors, which only stock's native kernel takes;
-    * ``"recorded"``: a :func:`slim_mha.recording_attention` block watches the module: the call
-      computes stock's weights on the path this function chooses for it with ``recording=False``,
-      hands them to the block, and returns what the caller asked for;
-    * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
-      masks or a graph where stock's fast path would run it: with weights always (it is the floor),
-      without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
-      the CPU's autocast (where stock runs its kernel too);
-    * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
-      weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
-      batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
-    * ``"sdpa"``: the same self-attention without weights, in slim's fewest ops: one projection,
-      ``scaled_dot_product_attention``, the output projection;
-    * ``"general"``: slim's general path, every feature (masks, weights, appended tokens, other
-      layouts), and slim's options around it (the equivariance check, skipped weights).
+    """The path ``call`` takes (one of those this module's docstring names), and why it cannot take a shorter
+    one (``""`` when it takes one). The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's.
 
     Cheap on purpose: at the sizes of set models a call takes a tenth of a millisecond, and every
     microsecond here is a percent of it. So the module's state is read from its dictionaries.
@@ -108,7 +107,7 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording
                 and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
                 and not (state["training"] and state["dropout"] > 0.0)
             )
-            if not one_pass or _records_graph(module, query, key, value):
+            if not one_pass or module_records_graph(module, query, key, value):
                 return "stock ops", ""
     return "general", why
 
@@ -126,7 +125,7 @@ def _self_attention_path(
     if autocast and device == "cuda":
         return "general", "autocast on CUDA, where stock runs its Python path"
     training = state["training"]
-    if _records_graph(module, query):
+    if module_records_graph(module, query):
         return "general", "a graph is recorded"
     if training and state["dropout"] > 0.0:
         return "general", "attention dropout"
@@ -140,12 +139,6 @@ def _self_attention_path(
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
         return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
     return "sdpa", ""
-
-
-def _records_graph(module: nn.MultiheadAttention, *inputs: Tensor) -> bool:
-    """:func:`~slim_mha._torch_compat.records_graph` of a call's inputs and the module's parameters."""
-    out_proj = cast(nn.Module, module._modules["out_proj"])  # stock's __init__ registers it, always
-    return records_graph(*inputs, *module._parameters.values(), *out_proj._parameters.values())
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:

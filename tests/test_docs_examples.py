@@ -14,6 +14,7 @@ checks what they print.
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 import subprocess
@@ -163,3 +164,66 @@ def test_the_front_page_says_who_it_is_for_and_stays_short():
     box_text = " ".join(lines[box : box + 12])
     assert "CUDA has never been measured" in box_text and "wins" in box_text and "matches stock" in box_text
     assert (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8").count("\n") <= 250
+
+
+# Files of this repository named in prose: a folder of the tree, then a path ending in a file type.
+_NAMED_FILE = re.compile(
+    r"(?<![\w./-])((?:slim_mha|migration|tests|benchmarks|docs|\.ci)/[\w./-]*\w\.(?:py|md|json|sh|png|toml))"
+)
+# Dotted names in slim_mha's namespace: a module, then attributes of it.
+_NAMED_OBJECT = re.compile(r"(?<![\w.])(slim_mha(?:\.\w+)+)")
+
+
+def _documents() -> list[Path]:
+    """The code, docstrings and docs that name paths: the two packages and the Markdown (the tests
+    name missing things on purpose, to check that they are refused)."""
+    roots = ("slim_mha", "migration", "docs", "benchmarks")
+    files = [path for root in roots for path in (ROOT / root).rglob("*") if path.suffix in (".py", ".md")]
+    return [*files, ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "pyproject.toml"]
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether a dotted name is a module of slim_mha or an attribute of one (``slim_mha.migration``
+    is the ``migration/`` folder, as installed)."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def test_every_path_and_name_the_project_mentions_exists():
+    """A file moved or a name renamed leaves no reference behind: every repository path and every
+    ``slim_mha.…`` name in the code, its docstrings and the docs exists (CHANGELOG history aside)."""
+    # The keys slim_mha writes into a checkpoint's metadata are names in files, not in the code.
+    code = "".join(path.read_text(encoding="utf-8") for path in (ROOT / "migration").glob("*.py"))
+    metadata_keys = set(re.findall(r"\"(slim_mha\.\w+)\"", code))
+    missing = []
+    for document in _documents():
+        if document.name == "CHANGELOG.md":
+            continue  # the history names what was, by design
+        text = document.read_text(encoding="utf-8")
+        for named in sorted(set(_NAMED_FILE.findall(text))):
+            if not (ROOT / named).exists():
+                missing.append(f"{document.relative_to(ROOT)}: {named}")
+        for dotted in sorted(set(_NAMED_OBJECT.findall(text))):
+            if dotted not in metadata_keys and not _resolves(dotted):
+                missing.append(f"{document.relative_to(ROOT)}: {dotted}")
+    assert missing == [], "named but missing:\n" + "\n".join(missing)
+
+
+def test_the_name_check_can_fail():
+    assert not _resolves("slim_mha._memory_guard")
+    assert not _resolves("slim_mha.paths.no_such_function")
+    assert _resolves("slim_mha.paths.choose_path") and _resolves("slim_mha.migration.strip_checkpoint")
+    assert _NAMED_FILE.findall("see slim_mha/bench/encoder.py, and docs/migration.md.") == [
+        "slim_mha/bench/encoder.py",
+        "docs/migration.md",
+    ]

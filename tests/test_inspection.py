@@ -162,11 +162,11 @@ def test_a_stock_model_is_refused_with_the_fix():
 
 
 def test_maps_too_large_are_refused_before_they_are_allocated_naming_the_module(monkeypatch):
-    from slim_mha import _memory_guard
+    from slim_mha import _explicit_attention as guard
 
     _, slim = encoders(nested=False)
-    monkeypatch.setattr(_memory_guard, "available_bytes", lambda device: (1 << 20, "a test's limit"))
-    monkeypatch.setattr(_memory_guard, "_CHECK_ABOVE_BYTES", 0)  # every size is checked
+    monkeypatch.setattr(guard, "available_bytes", lambda device: (1 << 20, "a test's limit"))
+    monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # every size is checked
     x, _ = padded_batch(400)
     with pytest.raises(
         torch.OutOfMemoryError, match=r"recording_attention: module layers\.0\.self_attn: .* need at least"

@@ -76,7 +76,7 @@ def test_the_budget_check_fails_on_a_head_by_head_loop(monkeypatch, slims_own_pa
     """The check can fail: the weights computed one head at a time, as slim once did."""
     import slim_mha._explicit_attention as explicit
 
-    def head_by_head(q, k, v, mask, dropout_p, average, q_scaled=False, symbolic=False):
+    def head_by_head(q, k, v, mask, dropout_p, average, q_scaled=False, **_):
         if q_scaled:  # stock's head split scaled the queries already
             q = q * (q.shape[-1] ** 0.5)
         outs, weights = zip(

@@ -1,6 +1,6 @@
 """The memory guard's estimate is what the weights path allocates, path by path.
 
-``_memory_guard.weights_path_bytes`` counts the ``L x S``-sized tensors each path of
+``_explicit_attention.weights_path_bytes`` counts the ``L x S``-sized tensors each path of
 ``slim_mha/_explicit_attention.py`` holds at once. Here every path runs under the CPU allocator's
 profiler and its peak is compared with the estimate; the refusal is then checked at the estimate's
 edge: a limit of exactly the estimate serves the call, one byte less refuses it. The guard's other
@@ -15,7 +15,7 @@ import torch
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
-from slim_mha import _memory_guard as guard
+from slim_mha import _explicit_attention as guard
 from slim_mha._explicit_attention import plan_weights_path
 from slim_mha.bench.measure.memory import profile_step
 

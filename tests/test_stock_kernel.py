@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
-from slim_mha import _memory_guard as guard
+from slim_mha import _explicit_attention as guard
 from slim_mha.bench.matrix.contenders import fast_path_enabled
 
 from _plain_calls import (

@@ -1,7 +1,7 @@
 """Every weights path against stock: one pass, blocks of query rows, and the memory guard's choice.
 
 Without a graph, averaged weights take one pass wherever it fits in memory and blocks of query
-rows where it does not (``_memory_guard.rows_per_block``). Each path runs here on small inputs,
+rows where it does not (``_explicit_attention.rows_per_block``). Each path runs here on small inputs,
 through the module, over the attention kinds, appended tokens and masks, and is compared with
 stock ``nn.MultiheadAttention``: the path is forced (``_BLOCK_SCORES_BYTES``) or chosen by the guard
 under a memory limit the test sets. Timing is the benchmark's (``python -m slim_mha.bench weights``).
@@ -16,7 +16,6 @@ import torch
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as explicit
-from slim_mha import _memory_guard as guard
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, appended_options
 from slim_mha.bench.measure.memory import profile_step
 
@@ -86,8 +85,8 @@ def force(path: str, monkeypatch, rows_seen: list, one_pass_bytes: int) -> None:
     elif path == "blocks_of_a_third":
         monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", one_pass_bytes // 3)
     elif path == "guard_blocks":  # one byte short of one pass
-        monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)
-        monkeypatch.setattr(guard, "available_bytes", lambda device: (one_pass_bytes - 1, "the test's limit"))
+        monkeypatch.setattr(explicit, "_CHECK_ABOVE_BYTES", 0)
+        monkeypatch.setattr(explicit, "available_bytes", lambda device: (one_pass_bytes - 1, "the test's limit"))
 
 
 def compare(kind, appended, mask, path, monkeypatch, *, dtype=torch.float64, mode="inference_mode", average=True):
@@ -166,11 +165,11 @@ def test_one_pass_is_taken_for_large_scores_where_memory_suffices(monkeypatch):
     """Blocks only where one pass would not fit: not above any fixed size."""
     q = torch.empty(1, 8, 4096, 8)  # (B, H, L, D): 512 MiB of float32 scores
     plan = lambda: explicit.plan_weights_path(q, 4096, dropout_p=0.0, average=True, records_graph=False, symbolic=False)  # noqa: E731
-    monkeypatch.setattr(guard, "available_bytes", lambda device: (1 << 40, "the test's limit"))
+    monkeypatch.setattr(explicit, "available_bytes", lambda device: (1 << 40, "the test's limit"))
     assert plan().rows == 4096
-    monkeypatch.setattr(guard, "available_bytes", lambda device: (None, "unknown"))
+    monkeypatch.setattr(explicit, "available_bytes", lambda device: (None, "unknown"))
     assert plan().rows == 4096
-    monkeypatch.setattr(guard, "available_bytes", lambda device: (256 << 20, "the test's limit"))
+    monkeypatch.setattr(explicit, "available_bytes", lambda device: (256 << 20, "the test's limit"))
     # Half of 256 MiB less the 64 MiB average leaves 64 MiB: 455 rows of 144 KiB (8 heads' scores and
     # their average), so 10 blocks of 410 rows.
     assert plan().rows == 410
@@ -215,9 +214,10 @@ def test_the_head_average_is_kept_per_heads_dtype_and_device_and_serves_every_mo
             assert_close_scaled(slim(x, x, x)[1], stock(x, x, x)[1], "weights")
 
 
-def test_stock_head_split_with_only_the_mask_and_appended_tokens_needing_grad_matches_stock():
-    """Frozen projections, a learned mask and trainable appended tokens: the queries come scaled from
-    stock's head split while the weights path records a graph."""
+def test_a_learned_mask_and_appended_tokens_alone_needing_grad_match_stock():
+    """Frozen projections, a learned mask and trainable appended tokens: autograd records the call
+    through them alone (``_stock_checks.module_records_graph`` reads the masks and every parameter),
+    so the whole path records it, not the one pass made for calls without a graph."""
     torch.manual_seed(0)
     stock = STOCK_MHA(16, 4, add_bias_kv=True, batch_first=True)
     slim = SlimMultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
@@ -293,3 +293,46 @@ def test_training_with_weights_peaks_no_higher_than_stock(shape, dtype):
     assert_matches_stock(results["slim"][0], results["stock"][0], reference[0])
     assert_matches_stock(results["slim"][1], results["stock"][1], reference[1], "weights")
     assert peaks["slim"] <= peaks["stock"], peaks
+
+
+class _Scaled(torch.nn.Module):
+    """A parametrization with a trainable parameter of its own, as adapters add them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.25))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.scale
+
+
+@pytest.mark.parametrize("kind", ["self", "cross"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("parametrized", ["in_proj_weight", "out_proj.weight"])
+@pytest.mark.parametrize("trained", ["original", "parametrization"])
+def test_weights_train_through_a_parametrized_projection_as_stock(kind, batch_first, parametrized, trained):
+    """Only a parametrized projection trains (``torch.nn.utils.parametrize``): autograd records the
+    call though no parameter of the module's own dictionary asks for grad. The weights path then
+    records a graph: it once took the one pass and stock's head split, which has no backward."""
+    torch.manual_seed(0)
+    stock = randomize_parameters(STOCK_MHA(16, 4, batch_first=batch_first))
+    slim = SlimMultiheadAttention(16, 4, batch_first=batch_first)
+    slim.load_state_dict(stock.state_dict())
+    owner_name, _, name = parametrized.rpartition(".")
+    x = torch.randn(*((2, 5, 16) if batch_first else (5, 2, 16)))
+    memory = torch.randn(*((2, 7, 16) if batch_first else (7, 2, 16)))
+    key = x if kind == "self" else memory
+    results = []
+    for module in (stock, slim):
+        module.requires_grad_(False)
+        owner = module.get_submodule(owner_name)
+        torch.nn.utils.parametrize.register_parametrization(owner, name, _Scaled())
+        trainable = owner.parametrizations[name]
+        trainable = trainable.original if trained == "original" else trainable[0].scale
+        trainable.requires_grad_(True)
+        out, weights = module(x, key, key)
+        (out.sum() + weights.sum()).backward()
+        results.append((out.detach(), weights.detach(), trainable.grad))
+    for actual, expected, what in zip(results[1], results[0], ("output", "weights", "grad")):
+        assert actual is not None, what
+        assert_close_scaled(actual, expected, what)

@@ -20,6 +20,8 @@ output's largest magnitude.
 * :func:`assert_permutation_equivariant`, :func:`assert_permutation_invariant` and
   :func:`permutation_equivariance_error` check any function or model, and name where the property
   first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).
+* :func:`draw_permutation` draws the permutation a check with a given seed applies, so that a
+  failure's seed reproduces it.
 """
 
 from ._checker import (
@@ -28,7 +30,7 @@ from ._checker import (
     permutation_equivariance_error,
 )
 from ._locate import Culprit
-from ._measure import TOLERANCE, EquivarianceError
+from ._measure import TOLERANCE, EquivarianceError, draw_permutation
 from ._mode import ENVIRONMENT_VARIABLE, checking_equivariance
 from ._report import PermutationErrors, format_permutation_error
 
@@ -43,6 +45,7 @@ __all__ = [
     "format_permutation_error",
     "PermutationErrors",
     "Culprit",
+    "draw_permutation",
     "TOLERANCE",
     "ENVIRONMENT_VARIABLE",
 ]

@@ -199,10 +199,8 @@ class _Call:
 @contextmanager
 def recording(module: nn.Module | None, include_root: bool = False) -> Iterator[list[_Call]]:
     """Record every submodule call (copies of its tensor inputs and outputs), in the order calls start.
-
-    ``include_root``: record ``module``'s own calls too (named ``""``), for a checked function that
-    wraps the module: a break in the module's code is then told apart from one in the function's.
-    """
+    ``include_root``: ``module``'s own calls too (named ``""``), for a checked function that wraps the
+    module: a break in the module's code is then told apart from one in the function's."""
     calls: list[_Call] = []
     if module is None:
         yield calls

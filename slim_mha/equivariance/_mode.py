@@ -208,26 +208,7 @@ def checking_equivariance(
         with slim_mha.checking_equivariance(model, every=10, dim=1):
             loss = model(batch).loss
     """
-    every = _check_every(every, "every")
-    if model is not None and not isinstance(model, nn.Module):
-        raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False, got {strict!r}")
-    if not isinstance(invariant, bool):
-        raise ValueError(f"invariant must be True or False, got {invariant!r}")
-    if dim is not None and model is None:
-        raise ValueError(
-            "dim is the model's set axis, and no model was given: pass checking_equivariance(model, dim=...)"
-        )
-    if invariant and dim is None:
-        raise ValueError("invariant=True says how the model's outputs follow its set axis: give that axis as dim too")
-    if dim is not None:
-        check_dim(dim)
-        check_model_options(output_dim, tolerance, permutation, invariant)
-    elif output_dim is not SAME_AS_DIM or tolerance is not None or permutation is not None:
-        raise ValueError(
-            "output_dim, tolerance and permutation are for the model's own calls: give its set axis as dim too"
-        )
+    every = _check_scope_options(model, every, strict, dim, invariant, output_dim, tolerance, permutation)
     if dim is None and model is not None:
         _report_nothing_to_check(model, strict)
     model_check = (
@@ -257,6 +238,31 @@ def checking_equivariance(
             _open_scopes -= 1
             SWITCH.active = _open_scopes > 0 or _environment_scope is not None or _environment_error is not None
         _SCOPE.reset(scope_token)
+
+
+def _check_scope_options(model, every, strict, dim, invariant, output_dim, tolerance, permutation) -> int:
+    """:func:`checking_equivariance`'s arguments, checked together (each error names the fix); ``every``."""
+    every = _check_every(every, "every")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
+    if not isinstance(invariant, bool):
+        raise ValueError(f"invariant must be True or False, got {invariant!r}")
+    if dim is not None and model is None:
+        raise ValueError(
+            "dim is the model's set axis, and no model was given: pass checking_equivariance(model, dim=...)"
+        )
+    if invariant and dim is None:
+        raise ValueError("invariant=True says how the model's outputs follow its set axis: give that axis as dim too")
+    if dim is not None:
+        check_dim(dim)
+        check_model_options(output_dim, tolerance, permutation, invariant)
+    elif output_dim is not SAME_AS_DIM or tolerance is not None or permutation is not None:
+        raise ValueError(
+            "output_dim, tolerance and permutation are for the model's own calls: give its set axis as dim too"
+        )
+    return every
 
 
 def _checks_its_calls(module: nn.Module) -> bool:

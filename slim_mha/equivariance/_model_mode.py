@@ -147,44 +147,7 @@ class ModelCheck:
 
     def _check(self, args: tuple, kwargs: dict, count: int) -> None:
         __tracebackhide__ = True
-        names = _input_names(self.model, args, kwargs)
-        # Each input's leaves (tensors inside lists, dicts and registered types), rebuilt for each run.
-        flat = [pytree.tree_flatten(x) for x in (*args, *kwargs.values())]
-        sizes = [len(leaves) for leaves, _ in flat]
-        keywords = list(kwargs)
-        positional = len(args)
-
-        def call_model(*values):
-            rebuilt, start = [], 0
-            for size, (_, spec) in zip(sizes, flat):
-                rebuilt.append(pytree.tree_unflatten(list(values[start : start + size]), spec))
-                start += size
-            return self.model(*rebuilt[:positional], **dict(zip(keywords, rebuilt[positional:])))
-
-        entries = self._entries(names, positional, count)
-        inputs = tuple(leaf for leaves, _ in flat for leaf in leaves)
-        leaf_names = tuple(
-            name if size == 1 and leaves[0] is value else f"{name} leaf {index}"
-            for name, value, (leaves, _), size in zip(names, (*args, *kwargs.values()), flat, sizes)
-            for index in range(size)
-        )
-        if not isinstance(entries, int):  # an input's entry moves each tensor inside it
-            entries = [
-                entry if isinstance(leaf, Tensor) else None
-                for entry, (leaves, _) in zip(entries, flat)
-                for leaf in leaves
-            ]
-        checked = CheckedCall(
-            fn=call_model,
-            inputs=inputs,
-            dim=entries,
-            output_dim=self.output_dim,
-            kwargs={},
-            module=self.model,
-            subject=type_name(self.model),
-            input_names=leaf_names,
-            wraps_module=False,  # call_model does nothing but call the model
-        )
+        checked = self._checked_call(args, kwargs, count)
         permutation = None if self.permutation is None else self.permutation(*args, **kwargs)
         try:
             with _context.rerunning():
@@ -213,6 +176,48 @@ class ModelCheck:
                 permutations=error.permutations,
                 result=error.result,
             )
+
+    def _checked_call(self, args: tuple, kwargs: dict, count: int) -> CheckedCall:
+        """The model's call as the checker takes it: every tensor inside the inputs one input of a
+        function that rebuilds them and calls the model, each with its name and its entry of ``dim``."""
+        names = _input_names(self.model, args, kwargs)
+        # Each input's leaves (tensors inside lists, dicts and registered types), rebuilt for each run.
+        flat = [pytree.tree_flatten(x) for x in (*args, *kwargs.values())]
+        sizes = [len(leaves) for leaves, _ in flat]
+        keywords = list(kwargs)
+        positional = len(args)
+
+        def call_model(*values):
+            rebuilt, start = [], 0
+            for size, (_, spec) in zip(sizes, flat):
+                rebuilt.append(pytree.tree_unflatten(list(values[start : start + size]), spec))
+                start += size
+            return self.model(*rebuilt[:positional], **dict(zip(keywords, rebuilt[positional:])))
+
+        entries = self._entries(names, positional, count)
+        inputs = tuple(leaf for leaves, _ in flat for leaf in leaves)
+        leaf_names = tuple(
+            name if size == 1 and leaves[0] is value else f"{name} leaf {index}"
+            for name, value, (leaves, _), size in zip(names, (*args, *kwargs.values()), flat, sizes)
+            for index in range(size)
+        )
+        if not isinstance(entries, int):  # an input's entry moves each tensor inside it
+            entries = [
+                entry if isinstance(leaf, Tensor) else None
+                for entry, (leaves, _) in zip(entries, flat)
+                for leaf in leaves
+            ]
+        return CheckedCall(
+            fn=call_model,
+            inputs=inputs,
+            dim=entries,
+            output_dim=self.output_dim,
+            kwargs={},
+            module=self.model,
+            subject=type_name(self.model),
+            input_names=leaf_names,
+            wraps_module=False,  # call_model does nothing but call the model
+        )
 
     def _entries(self, names: list[str], positional: int, count: int):
         """``dim`` as the checker takes it, over the call's inputs (positional, then keyword)."""

@@ -158,34 +158,7 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
     culprit = result.culprit(tolerance)
     lines = []
     if culprit is not None and culprit.kind == "submodule":
-        call = culprit.submodule
-        lines.append(
-            f"  first submodule, in execution order, whose output is neither unchanged nor permuted along "
-            f"its token axes: '{call.display_name}' ({call.type_name}, call {call.call + 1}), "
-            f"after {_calls(culprit.kept)} that kept it"
-        )
-        closest = call.broken_output(tolerance)
-        if call.note:
-            lines.append(f"    {call.note}")
-        elif closest is not None:
-            lines.append(
-                f"    its {closest.name} {format_shape(closest.shape)}, closest reading "
-                f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
-            )
-        unmoved = call.unmoved_inputs(tolerance)
-        if unmoved:
-            names = ", ".join(f"{error.name} {format_shape(error.shape)}" for error in unmoved)
-            lines.append(
-                f"    the break comes in with its input {names}, which has token axes but did not move with the "
-                "tokens while its other inputs did (a causal mask, a padding or position input held fixed): it is "
-                "not permutation-equivariant, or it must be permuted with the tokens"
-            )
-        elif culprit.after_submodules:
-            lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
-        elif culprit.code:
-            lines.append(
-                f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}"
-            )
+        lines += _submodule_culprit_lines(culprit, tolerance)
     elif culprit is not None:
         call = culprit.submodule
         closest = call.broken_input(tolerance)
@@ -215,6 +188,38 @@ def _locate_lines(result: PermutationErrors, tolerance: float | None, broken: li
         )
     if result.submodule_note:
         lines.append(f"  ({result.submodule_note})")
+    return lines
+
+
+def _submodule_culprit_lines(culprit: Culprit, tolerance: float | None) -> list[str]:
+    """The submodule whose own output breaks equivariance first, and what its inputs say of where."""
+    call = culprit.submodule
+    lines = []
+    lines.append(
+        f"  first submodule, in execution order, whose output is neither unchanged nor permuted along "
+        f"its token axes: '{call.display_name}' ({call.type_name}, call {call.call + 1}), "
+        f"after {_calls(culprit.kept)} that kept it"
+    )
+    closest = call.broken_output(tolerance)
+    if call.note:
+        lines.append(f"    {call.note}")
+    elif closest is not None:
+        lines.append(
+            f"    its {closest.name} {format_shape(closest.shape)}, closest reading "
+            f"'{_describe_dims(closest.dims)}': {closest.describe(tolerance)}"
+        )
+    unmoved = call.unmoved_inputs(tolerance)
+    if unmoved:
+        names = ", ".join(f"{error.name} {format_shape(error.shape)}" for error in unmoved)
+        lines.append(
+            f"    the break comes in with its input {names}, which has token axes but did not move with the "
+            "tokens while its other inputs did (a causal mask, a padding or position input held fixed): it is "
+            "not permutation-equivariant, or it must be permuted with the tokens"
+        )
+    elif culprit.after_submodules:
+        lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
+    elif culprit.code:
+        lines.append(f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}")
     return lines
 
 

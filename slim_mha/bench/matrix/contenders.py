@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..._torch_compat import stock_kernel
 from ...attention import SlimMultiheadAttention
 from .cases import AUTOCAST, DTYPES, Case
 
@@ -188,13 +189,7 @@ def build_contenders(
     and ``masks`` (one of :data:`MASKS`; self-attention only)."""
     dtype = DTYPES[case.dtype]
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    torch.manual_seed(seed)
-    stock = _stock_module(case, device, dtype)
-    slim = SlimMultiheadAttention(case.embed_dim, case.num_heads, batch_first=True, device=device, dtype=dtype)
-    slim.load_state_dict(stock.state_dict())
-    _set_equivariance_check(slim, case.mode == "train-equivariance", equivariance_every)
-    for module in (stock, slim):
-        module.train(case.trains)
+    stock, slim = _modules(case, device, dtype, seed, equivariance_every)
 
     def draw(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
@@ -219,73 +214,85 @@ def build_contenders(
 
     def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
         if name == "floor":
-            return lambda: _floor_forward(
-                query,
-                memory,
-                in_weight,
-                in_bias,
-                out_weight,
-                out_bias,
-                case.num_heads,
-                case.need_weights,
-                additive_mask,
-            )
-        module = stock if name == "stock" else slim
-        return lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)
-
-    if case.dtype in AUTOCAST:  # fp32 modules, each call under autocast
-        plain_forward_of = forward_of
-
-        def forward_of(name: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
-            forward = plain_forward_of(name)
-
-            def autocast_forward() -> tuple[Tensor, Tensor | None]:
-                with torch.autocast(device.type, dtype=AUTOCAST[case.dtype]):
-                    return forward()
-
-            return autocast_forward
+            arguments = (query, memory, in_weight, in_bias, out_weight, out_bias, case.num_heads, case.need_weights)
+            forward = lambda: _floor_forward(*arguments, additive_mask)  # noqa: E731
+        else:
+            module = stock if name == "stock" else slim
+            forward = lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)  # noqa: E731
+        if case.dtype in AUTOCAST:  # fp32 modules, each call under autocast
+            return _under_autocast(forward, device.type, AUTOCAST[case.dtype])
+        return forward
 
     floors = {"sdpa" if not case.need_weights else "explicit product": forward_of("floor")}
-    if (
-        case.mode == "inference"
-        and memory is None
-        and masks == "none"
-        and case.dtype not in AUTOCAST
-        and case.num_heads % 2 == 0
-    ):
-        # Stock's native kernel, where stock's fast path would run it: bare, on the floor's parameters.
-        floors["stock's native kernel"] = lambda: torch._native_multi_head_attention(
-            query,
-            query,
-            query,
-            width,
-            case.num_heads,
-            in_weight,
-            in_bias,
-            out_weight,
-            out_bias,
-            None,
-            case.need_weights,
-            True,
+    fast_path = case.mode == "inference" and memory is None and masks == "none" and case.dtype not in AUTOCAST
+    if fast_path and case.num_heads % 2 == 0:  # stock's native kernel where stock's fast path runs it, bare
+        floors["stock's native kernel"] = lambda: stock_kernel(
+            query, case.num_heads, in_weight, in_bias, out_weight, out_bias, case.need_weights, True
         )
     floor_kind = _fastest_floor(floors)
 
-    contenders = {}
-    for name in CONTENDERS:
-        forward = floors[floor_kind] if name == "floor" else forward_of(name)
-        parameters: list[Tensor] = (
-            floor_parameters if name == "floor" else [*(stock if name == "stock" else slim).parameters()]
+    parameters: dict[str, list[Tensor]] = {
+        "stock": [*stock.parameters()],
+        "slim": [*slim.parameters()],
+        "floor": floor_parameters,
+    }
+    return {
+        name: _contender(
+            name,
+            floors[floor_kind] if name == "floor" else forward_of(name),
+            parameters[name],
+            case.trains,
+            inputs,
+            grad_out,
+            floor_kind if name == "floor" else "",
         )
-        contenders[name] = Contender(
-            name=name,
-            step=_training_step(forward, grad_out) if case.trains else _inference_step(forward),
-            forward=forward,
-            parameters=parameters,
-            reset=_clear_grads(parameters + inputs) if case.trains else (lambda: None),
-            external=inputs + [grad_out],
-            kind=floor_kind if name == "floor" else "",
-        )
-    return contenders
+        for name in CONTENDERS
+    }
+
+
+def _contender(
+    name: str,
+    forward: Callable[[], tuple[Tensor, Tensor | None]],
+    parameters: list[Tensor],
+    trains: bool,
+    inputs: list[Tensor],
+    grad_out: Tensor,
+    kind: str,
+) -> Contender:
+    """One contender's timed step: forward (and backward into ``grad_out`` when it trains)."""
+    return Contender(
+        name=name,
+        step=_training_step(forward, grad_out) if trains else _inference_step(forward),
+        forward=forward,
+        parameters=parameters,
+        reset=_clear_grads(parameters + inputs) if trains else (lambda: None),
+        external=inputs + [grad_out],
+        kind=kind,
+    )
+
+
+def _modules(
+    case: Case, device: torch.device, dtype: torch.dtype, seed: int, equivariance_every: int | None
+) -> tuple[nn.MultiheadAttention, SlimMultiheadAttention]:
+    """Stock and slim for ``case``, slim loading stock's weights, both in the case's mode."""
+    torch.manual_seed(seed)
+    stock = _stock_module(case, device, dtype)
+    slim = SlimMultiheadAttention(case.embed_dim, case.num_heads, batch_first=True, device=device, dtype=dtype)
+    slim.load_state_dict(stock.state_dict())
+    _set_equivariance_check(slim, case.mode == "train-equivariance", equivariance_every)
+    for module in (stock, slim):
+        module.train(case.trains)
+    return stock, slim
+
+
+def _under_autocast(
+    forward: Callable[[], tuple[Tensor, Tensor | None]], device_type: str, dtype: torch.dtype
+) -> Callable[[], tuple[Tensor, Tensor | None]]:
+    def autocast_forward() -> tuple[Tensor, Tensor | None]:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward()
+
+    return autocast_forward
 
 
 def _fastest_floor(floors: dict[str, Callable[[], tuple[Tensor, Tensor | None]]], calls: int = 5) -> str:

@@ -400,6 +400,32 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     figure, (speed, memory) = plt.subplots(
         2, 1, figsize=(max(13.0, min(0.5 * count + 4.0, 52.0)), 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
+    _plot_speed(speed, results)
+    _plot_memory(memory, results)
+    labels = [
+        f"{result['case']['mode']} {result['case']['attention']}{' w' if result['case']['need_weights'] else ''}\n"
+        f"B={result['case']['batch']} L={result['case']['seq_len']}\nE={result['case']['embed_dim']} "
+        f"H={result['case']['num_heads']}" + (f" {result['case']['dtype']}" if len(dtypes) > 1 else "")
+        for result in results
+    ]
+    memory.set_xticks(
+        positions,
+        labels,
+        rotation=90 if count > 16 else 45,
+        ha="right" if count <= 16 else "center",
+        fontsize=7 if count > 16 else 8,
+    )
+    memory.set_xlabel("case (mode, attention, shape)" + ("" if len(dtypes) > 1 else f", {next(iter(dtypes))}"))
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return f"plot written to {path} ({count} cases)"
+
+
+def _plot_speed(speed, results: list[dict]) -> None:
+    """stock/slim per case with its paired quartiles, coloured by mode; stock/floor beside it; parity lines."""
+    count, positions = len(results), list(range(len(results)))
     for mode, colour in _MODE_COLOURS.items():
         chosen = [
             index for index, result in enumerate(results) if result["case"]["mode"] == mode and not is_stalled(result)
@@ -428,6 +454,10 @@ def plot_speedup(results: list[dict], path: Path) -> str:
         bbox_to_anchor=(1.01, 1.0),
     )
 
+
+def _plot_memory(memory, results: list[dict]) -> None:
+    """Peak MiB of stock, slim and the floor per case, side by side, on a log scale."""
+    positions = list(range(len(results)))
     bar = 0.27
     styles = {
         "stock": {"color": "0.55"},
@@ -442,22 +472,3 @@ def plot_speedup(results: list[dict], path: Path) -> str:
     plain_mib_ticks(memory.yaxis)
     memory.grid(axis="y", alpha=0.3)
     memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    labels = [
-        f"{result['case']['mode']} {result['case']['attention']}{' w' if result['case']['need_weights'] else ''}\n"
-        f"B={result['case']['batch']} L={result['case']['seq_len']}\nE={result['case']['embed_dim']} "
-        f"H={result['case']['num_heads']}" + (f" {result['case']['dtype']}" if len(dtypes) > 1 else "")
-        for result in results
-    ]
-    memory.set_xticks(
-        positions,
-        labels,
-        rotation=90 if count > 16 else 45,
-        ha="right" if count <= 16 else "center",
-        fontsize=7 if count > 16 else 8,
-    )
-    memory.set_xlabel("case (mode, attention, shape)" + ("" if len(dtypes) > 1 else f", {next(iter(dtypes))}"))
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return f"plot written to {path} ({count} cases)"

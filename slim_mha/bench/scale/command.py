@@ -160,10 +160,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     series_list = build_series(args.shape, args.mode, masks, args.contender)
     tokens = sorted(set(args.tokens or TOKENS[settings.device]))
     if args.dry_run:
-        print(
-            f"{len(series_list)} curves x {len(tokens)} token counts on {settings.device} "
-            f"(memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}):"
-        )
+        print(f"{len(series_list)} curves x {len(tokens)} token counts on {settings.device} ({_cap(settings)}):")
         print("\n".join(f"  {series.name}: N = {', '.join(f'{n:,}' for n in tokens)}" for series in series_list))
         return 0
 
@@ -184,7 +181,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     }
     print(
         f"slim_mha scale sweep: {len(series_list)} curves x {len(tokens)} token counts on {settings.device}, "
-        f"memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}",
+        f"{_cap(settings)}",
         flush=True,
     )
     print(
@@ -215,3 +212,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print("\n".join(payload["notes"]))
     print(f"results written to {json_path} ({payload['elapsed_s']:.0f} s)\nreport: {markdown_path}")
     return 0
+
+
+def _cap(settings: Settings) -> str:
+    return f"memory cap {format_mib(settings.memory_cap_bytes) if settings.memory_cap_bytes else 'none'}"

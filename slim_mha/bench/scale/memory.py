@@ -7,7 +7,7 @@ import resource
 
 import torch
 
-from ..._memory_guard import available_bytes
+from ..._explicit_attention import available_bytes
 
 __all__ = ["PeakMemory", "cap_address_space", "default_memory_cap"]
 
