@@ -54,14 +54,17 @@ class PreparedCall(NamedTuple):
     fused: str  # stock's fused input projection: "qkv" (one matmul), "kv" (keys and values), "" (none)
     weights_graph: bool  # a call with weights that autograd records (asked of those alone: none else reads it)
     batch_major: bool  # stock returns (B, L, E) memory: its native fast path, or an unbatched call
-    mask: Tensor | None  # additive, broadcastable to (B, H, L, S + appended)
-    is_causal: bool  # SDPA may take the is_causal hint instead of the mask
+    sizes: tuple[int, int, int]  # (B, L, S): the batch, the queries, the keys before appended tokens
+    attn_mask: Tensor | None  # canonical (a bool mask made additive), its shape checked by attention_mask
+    key_padding_mask: Tensor | None  # likewise
+    is_causal: bool  # SDPA may take the is_causal hint instead of a mask (both masks are then None)
 
 
 def prepare_call(module, call: AttentionCall) -> PreparedCall:
-    """Stock's checks of ``call`` to ``module``, in stock's order, with its exceptions; its mask rules
-    (:func:`attention_mask`); and the facts slim's own path reads: the layout, the fusing, whether
-    autograd records the call and whether stock would return batch-major memory."""
+    """Stock's checks of ``call`` to ``module`` that come before its projections, in stock's order,
+    with its exceptions (the masks' shapes come after: :func:`attention_mask`); and the facts slim's
+    own path reads: the layout, the fusing, whether stock would return batch-major memory, and
+    whether autograd records a call with weights."""
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     state = module.__dict__  # read from the dictionary: a call of the smallest sizes is a few dozen microseconds
     batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, state["num_heads"])
@@ -69,30 +72,23 @@ def prepare_call(module, call: AttentionCall) -> PreparedCall:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
-    same_width = state["_qkv_same_embed_dim"]
-    check_embed_dims(query, key, value, state["embed_dim"], same_width)
     fast_path = batched and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
     batch_first = state["batch_first"] or not batched
     if batch_first:
-        batch, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
+        sizes = (query.shape[0], query.shape[1], key.shape[1])
     else:
-        batch, tgt_len, src_len = query.shape[1], query.shape[0], key.shape[0]
-    mask, is_causal = attention_mask(
-        attn_mask,
-        key_padding_mask,
-        is_causal,
-        need_weights,
-        query.dtype,
-        batch=batch,
-        num_heads=state["num_heads"],
-        tgt_len=tgt_len,
-        src_len=src_len,
-        appended=int(module.bias_k is not None) + int(state["add_zero_attn"]),
-        stock_fast_path=fast_path,
+        sizes = (query.shape[1], query.shape[0], key.shape[0])
+    attn_mask, key_padding_mask, is_causal = canonical_masks(
+        attn_mask, key_padding_mask, is_causal, need_weights, query.dtype, kernel_sizes=sizes if fast_path else None
     )
+    same_width = state["_qkv_same_embed_dim"]
+    check_embed_dims(query, key, value, state["embed_dim"], same_width)
     fused = "qkv" if same_width and query is key and key is value else "kv" if same_width and key is value else ""
     weights_graph = need_weights and module_records_graph(module, query, key, value, attn_mask, key_padding_mask)
-    return PreparedCall(query, key, value, batch_first, fused, weights_graph, fast_path or not batched, mask, is_causal)
+    batch_major = fast_path or not batched
+    return PreparedCall(
+        query, key, value, batch_first, fused, weights_graph, batch_major, sizes, attn_mask, key_padding_mask, is_causal
+    )
 
 
 def records_graph(*tensors: Tensor | None) -> bool:
@@ -208,29 +204,24 @@ def additive_mask(
     return torch.zeros_like(mask, dtype=target_dtype).masked_fill_(mask, float("-inf"))
 
 
-def attention_mask(
+def canonical_masks(
     attn_mask: Tensor | None,
     key_padding_mask: Tensor | None,
     is_causal: bool,
     need_weights: bool,
     dtype: torch.dtype,
     *,
-    batch: int,
-    num_heads: int,
-    tgt_len: int,
-    src_len: int,
-    appended: int,
-    stock_fast_path: bool = False,
-) -> tuple[Tensor | None, bool]:
-    """Stock's mask rules, as one additive mask broadcastable to ``(B, H, L, S')``.
+    kernel_sizes: tuple[int, int, int] | None = None,
+) -> tuple[Tensor | None, Tensor | None, bool]:
+    """Stock's mask rules before its projections: bool masks made additive in ``dtype``, the masks'
+    dtypes checked, and whether SDPA may use ``is_causal`` instead of them (only when no padding
+    mask and no weights are involved, exactly as stock decides; both masks are then ``None``).
 
-    ``appended`` key columns (``add_bias_kv``, ``add_zero_attn`` tokens) are left open. Returns the
-    mask and whether SDPA may use ``is_causal`` instead of it (only when no padding mask and no
-    weights are involved, exactly as stock decides). ``stock_fast_path``: stock would run its native
-    kernel on this call, which ignores ``is_causal`` and raises a ``RuntimeError`` for a padding mask
-    of the wrong shape.
+    ``kernel_sizes``: ``(B, L, S)`` where stock would run its native kernel on this call, which
+    ignores ``is_causal`` and raises a ``RuntimeError`` for a padding mask of the wrong shape.
     """
-    if stock_fast_path:
+    if kernel_sizes is not None:
+        batch, _, src_len = kernel_sizes
         if key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, src_len):
             raise RuntimeError("For mask_type == 1 mask shape should be (B, L)")  # the kernel's check
         is_causal = False  # the kernel takes no hint: it ignores it, with a mask or without
@@ -243,10 +234,22 @@ def attention_mask(
             "method `generate_square_subsequent_mask` to create this mask."
         )
     if is_causal and key_padding_mask is None and not need_weights:
-        return None, True
-    attn_mask = additive_mask(attn_mask, "attn_mask", dtype)
+        return None, None, True
+    return additive_mask(attn_mask, "attn_mask", dtype), key_padding_mask, False
+
+
+def attention_mask(module, prepared: PreparedCall) -> Tensor | None:
+    """Stock's mask rules after its projections: the canonical masks' shapes checked, with stock's
+    exceptions, and merged into one additive mask broadcastable to ``(B, H, L, S')``; the columns of
+    appended keys (``add_bias_kv``, ``add_zero_attn`` tokens) are left open."""
+    attn_mask, key_padding_mask, (batch, tgt_len, src_len) = (
+        prepared.attn_mask,
+        prepared.key_padding_mask,
+        prepared.sizes,
+    )
+    appended = int(module.bias_k is not None) + int(module.add_zero_attn)
     if attn_mask is not None:
-        attn_mask = _shape_attn_mask(attn_mask, tgt_len, src_len, batch, num_heads)
+        attn_mask = _shape_attn_mask(attn_mask, tgt_len, src_len, batch, module.num_heads)
         if appended:
             attn_mask = F.pad(attn_mask, (0, appended))
     if key_padding_mask is not None:
@@ -259,7 +262,7 @@ def attention_mask(
             key_padding_mask = F.pad(key_padding_mask, (0, appended))
         key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len + appended)  # (B, 1, 1, S')
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-    return attn_mask, False
+    return attn_mask
 
 
 def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:

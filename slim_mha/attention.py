@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from . import inspection, unread_weights
 from ._explicit_attention import attention_with_weights, query_scale
-from ._stock_checks import AttentionCall, PreparedCall, prepare_call, stock_module_takes_fast_path
+from ._stock_checks import AttentionCall, PreparedCall, attention_mask, prepare_call, stock_module_takes_fast_path
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
@@ -234,7 +234,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias, the appended tokens, the kernel (SDPA, or the explicit one where weights are asked
         for), the heads merged in stock's layout, the output projection."""
         need_weights, dropout_p, H = call.need_weights, (self.dropout if self.training else 0.0), self.num_heads
-        prepared = prepare_call(self, call)  # batched, stock's checks and masks, its layout and fusing
+        prepared = prepare_call(self, call)  # batched; stock's checks, its layout and fusing; canonical masks
         symbolic = is_symbolic_call(call.query)  # asked once: the projections and the weights path need it
 
         # Weights in one pass, without a graph: q, k and v head-major, each head's rows one matrix, the
@@ -246,8 +246,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         q, k, v = heads if heads is not None else self._project(prepared, one_pass, symbolic)  # (B, H, len, D)
         del heads  # q, k and v alone hold the projections: they go before the output projection
         k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
+        mask = attention_mask(self, prepared)  # the masks' shapes, checked after the projections as stock's
 
-        mask = prepared.mask
         if need_weights:
             out, weights = attention_with_weights(
                 q,

@@ -146,3 +146,47 @@ def test_under_autocast_a_float32_mask_is_cast_with_the_scores_as_on_stock():
         expected, actual = stock(x, x, x, attn_mask=mask), slim(x, x, x, attn_mask=mask)
     for want, got in zip(expected, actual):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.05)
+
+
+DOUBLE_FAULTS = {
+    # A call that fails two of stock's checks raises the one stock reaches first.
+    "mask of an unsupported dtype, query of another width": (
+        {},
+        lambda: (torch.randn(2, 5, 6), torch.randn(2, 7, 6)),
+        lambda: {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)},
+    ),
+    "mask of an unsupported dtype, key of another width": (
+        {"kdim": 6, "vdim": 6},
+        lambda: (torch.randn(2, 5, 8), torch.randn(2, 7, 5)),
+        lambda: {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)},
+    ),
+    "padding mask of the wrong shape, inputs of another dtype": (
+        {},
+        lambda: (torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 7, 8, dtype=torch.float64)),
+        lambda: {"key_padding_mask": torch.zeros(2, 3, dtype=torch.bool)},
+    ),
+    "attention mask of the wrong shape, inputs of another dtype": (
+        {},
+        lambda: (torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 7, 8, dtype=torch.float64)),
+        lambda: {"attn_mask": torch.zeros(3, 3)},
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", DOUBLE_FAULTS)
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_of_two_faults_the_one_stock_reaches_first_is_raised(fault, need_weights):
+    """Stock checks the masks' dtypes before the widths and the projections, and their shapes after
+    the projections; slim's own path raises in the same order."""
+    from slim_mha import SlimMultiheadAttention
+
+    from _reference import STOCK_MHA
+
+    options, inputs, masks = DOUBLE_FAULTS[fault]
+    torch.manual_seed(0)
+    stock = STOCK_MHA(8, 2, batch_first=True, **options)
+    slim = SlimMultiheadAttention(8, 2, batch_first=True, **options)
+    slim.load_state_dict(stock.state_dict())
+    query, key = inputs()
+    results = [outcome(lambda m=m: m(query, key, key, need_weights=need_weights, **masks())) for m in (stock, slim)]
+    assert results[1] == results[0]
