@@ -239,19 +239,23 @@ def canonical_masks(
 
 
 def attention_mask(module, prepared: PreparedCall) -> Tensor | None:
-    """Stock's mask rules after its projections: the canonical masks' shapes checked, with stock's
-    exceptions, and merged into one additive mask broadcastable to ``(B, H, L, S')``; the columns of
-    appended keys (``add_bias_kv``, ``add_zero_attn`` tokens) are left open."""
-    attn_mask, key_padding_mask, (batch, tgt_len, src_len) = (
-        prepared.attn_mask,
-        prepared.key_padding_mask,
-        prepared.sizes,
-    )
+    """Stock's checks after its projections: the canonical masks' shapes and the keys' batch, with
+    stock's exception types; the masks merged into one additive mask broadcastable to ``(B, H, L, S')``,
+    the columns of appended keys (``add_bias_kv``, ``add_zero_attn`` tokens) left open."""
+    attn_mask, key_padding_mask = prepared.attn_mask, prepared.key_padding_mask
+    batch, tgt_len, src_len = prepared.sizes
     appended = int(module.bias_k is not None) + int(module.add_zero_attn)
     if attn_mask is not None:
         attn_mask = _shape_attn_mask(attn_mask, tgt_len, src_len, batch, module.num_heads)
         if appended:
             attn_mask = F.pad(attn_mask, (0, appended))
+    # Stock fails here, reshaping the keys to the queries' batch; SDPA would broadcast a batch of one.
+    key_batch = prepared.key.shape[0 if prepared.batch_first else 1]
+    if key_batch != batch:
+        raise RuntimeError(
+            f"key and value have a batch of {key_batch} where query has {batch}: each query sequence attends "
+            "to the key sequence of its own batch entry, so the batch sizes must match (stock raises here too)"
+        )
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (batch, src_len):
             raise AssertionError(

@@ -190,3 +190,26 @@ def test_of_two_faults_the_one_stock_reaches_first_is_raised(fault, need_weights
     query, key = inputs()
     results = [outcome(lambda m=m: m(query, key, key, need_weights=need_weights, **masks())) for m in (stock, slim)]
     assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("batches", [(2, 1), (1, 2), (2, 3)])
+def test_keys_of_another_batch_are_refused_as_stock_refuses_them(batch_first, need_weights, batches):
+    """Stock reshapes the keys to the queries' batch and fails; SDPA alone would broadcast a batch of
+    one and return an output for a call stock refuses."""
+    from slim_mha import SlimMultiheadAttention
+
+    from _reference import STOCK_MHA
+
+    torch.manual_seed(0)
+    stock = STOCK_MHA(8, 2, batch_first=batch_first)
+    slim = SlimMultiheadAttention(8, 2, batch_first=batch_first)
+    slim.load_state_dict(stock.state_dict())
+    query_batch, key_batch = batches
+    query = torch.randn(*((query_batch, 5, 8) if batch_first else (5, query_batch, 8)))
+    key = torch.randn(*((key_batch, 7, 8) if batch_first else (7, key_batch, 8)))
+    for module in (stock, slim):
+        with pytest.raises(RuntimeError) as raised:
+            module(query, key, key, need_weights=need_weights)
+    assert "batch" in str(raised.value)
