@@ -44,8 +44,8 @@ class AttentionCall(NamedTuple):
 
 
 class PreparedCall(NamedTuple):
-    """A call as stock's checks leave it, and what slim's own path reads of it: the one place
-    where that path asks stock's rules (:func:`prepare_call`)."""
+    """A call as stock's checks before its projections leave it, and what slim's own path reads of
+    it (:func:`prepare_call`; the checks after the projections are :func:`attention_mask`'s)."""
 
     query: Tensor  # batched: an unbatched call is a batch of one, batch-first
     key: Tensor

@@ -230,9 +230,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
     def _general(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        """Slim's own path, top to bottom: stock's checks and masks, the projections without the key
-        bias, the appended tokens, the kernel (SDPA, or the explicit one where weights are asked
-        for), the heads merged in stock's layout, the output projection."""
+        """Slim's own path, top to bottom: stock's checks before its projections, the projections
+        without the key bias, the appended tokens, the masks' shapes, the kernel (SDPA, or the
+        explicit one where weights are asked for), the heads merged in stock's layout, the output
+        projection."""
         need_weights, dropout_p, H = call.need_weights, (self.dropout if self.training else 0.0), self.num_heads
         prepared = prepare_call(self, call)  # batched; stock's checks, its layout and fusing; canonical masks
         symbolic = is_symbolic_call(call.query)  # asked once: the projections and the weights path need it
