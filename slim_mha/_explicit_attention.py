@@ -97,6 +97,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._stock_checks import open_empty_rows
 from ._torch_compat import is_capturing_graph
 
 __all__ = [
@@ -175,11 +176,14 @@ def attention_with_weights(
         q, k.shape[2], dropout_p=dropout_p, average=average, records_graph=graph, symbolic=symbolic
     )
     check_weights_fit(q, k.shape[2], plan, symbolic=symbolic)  # before any (B, H, L, S)
+    empty = None  # rows masked from every key: zero weights and output, as SDPA gives them
+    if mask is not None:
+        mask, empty = open_empty_rows(mask, may_sync=mask.is_cpu and not symbolic)
     if plan.functional:  # scaled queries reach it when only the mask or appended tokens need grad
-        return _attention_functional(q, k, v, mask, dropout_p, average, q_scaled)
+        return _attention_functional(q, k, v, mask, dropout_p, average, q_scaled, empty)
     if plan.rows < q.shape[2]:
-        return _attention_averaged_in_blocks(q, k, v, mask, plan.rows, q_scaled=q_scaled)
-    return _attention_in_one_pass(q, k, v, mask, average, q_scaled)
+        return _attention_averaged_in_blocks(q, k, v, mask, plan.rows, q_scaled=q_scaled, empty=empty)
+    return _attention_in_one_pass(q, k, v, mask, average, q_scaled, empty)
 
 
 def refuse_mask_of_another_dtype(
@@ -208,7 +212,7 @@ def refuse_mask_of_another_dtype(
 
 
 def _attention_in_one_pass(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, average: bool, q_scaled: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, average: bool, q_scaled: bool, empty: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Without a graph: every head's scores at once, softmaxed in place; the output in q's copy.
 
@@ -225,12 +229,21 @@ def _attention_in_one_pass(
     if mask is not None:
         scores.add_(mask)
     scores = _softmax_last(scores)
+    if empty is not None:
+        scores.masked_fill_(empty, 0.0)
     out = torch.bmm(scores.view(B * H, L, S), _matrices(v), out=scaled)  # q's copy is free once scored
     return out.view(B, H, L, D), mean_over_heads(scores) if average else scores
 
 
 def _attention_functional(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, average: bool, q_scaled: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    dropout_p: float,
+    average: bool,
+    q_scaled: bool = False,
+    empty: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """For autograd, dropout, ``torch.func`` transforms and compilers: no ``out=``, in place only where safe."""
     B, H, L, D = q.shape
@@ -246,6 +259,8 @@ def _attention_functional(
         scores = torch.baddbmm(_batched_mask(mask, B, H), scaled, keys).view(B, H, L, S)
     weights = scores.softmax(-1)  # the method: torch.softmax's overload parsing costs more than the op at small sizes
     del scores  # autograd keeps softmax's output, not its input: freed here, as stock frees it
+    if empty is not None:  # out of place: the zeroed rows pass no gradient to the opened scores
+        weights = weights.masked_fill(empty, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = torch.bmm(weights.reshape(B * H, L, S), v.reshape(B * H, S, D)).view(B, H, L, D)
@@ -253,7 +268,7 @@ def _attention_functional(
 
 
 def _attention_averaged_in_blocks(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int, q_scaled: bool = False
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rows: int, q_scaled: bool = False, empty: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Averaged weights without a graph, ``rows`` query rows (all batches, all heads) at a time.
 
@@ -274,6 +289,8 @@ def _attention_averaged_in_blocks(
         if mask is not None:
             scores.add_(mask if mask.shape[-2] == 1 else mask[..., block, :])
         scores = _softmax_last(scores)
+        if empty is not None:
+            scores.masked_fill_(empty if empty.shape[-2] == 1 else empty[..., block, :], 0.0)
         out[:, :, block] = torch.bmm(scores.view(B * H, block_rows, S), v_matrices).view(B, H, block_rows, D)
         weights[:, block] = mean_over_heads(scores)
         del scores  # freed before the next block's scores are allocated, which then reuse its memory

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._torch_compat import stock_layer_unfuses_for_hooks
+from ._torch_compat import sdpa_zeroes_rows_masked_from_every_key, stock_layer_unfuses_for_hooks
 
 # Observed once, at import: read inside compiled code, where a first call would be traced.
 _HOOKS_UNFUSE = stock_layer_unfuses_for_hooks()
+_SDPA_ZEROES_EMPTY_ROWS = sdpa_zeroes_rows_masked_from_every_key()
 
 
 class AttentionCall(NamedTuple):
@@ -267,6 +268,30 @@ def attention_mask(module, prepared: PreparedCall) -> Tensor | None:
         key_padding_mask = key_padding_mask.view(batch, 1, 1, src_len + appended)  # (B, 1, 1, S')
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
     return attn_mask
+
+
+def sdpa_needs_empty_rows_mended(query: Tensor) -> bool:
+    """Whether SDPA on ``query``'s device may not give a row masked from every key its zero output
+    and finite gradients by itself (:func:`~slim_mha._torch_compat.sdpa_zeroes_rows_masked_from_every_key`):
+    then :func:`open_empty_rows` mends the call."""
+    return not (query.is_cpu and _SDPA_ZEROES_EMPTY_ROWS)
+
+
+def open_empty_rows(mask: Tensor, *, may_sync: bool) -> tuple[Tensor, Tensor | None]:
+    """The answer for a query row masked from every key, the same on every path: SDPA's (torch 2.13's
+    CPU kernels), a zero output row, zero weights and finite gradients. Stock's native kernel and its
+    weights path give NaN there instead (pytorch#41508), as softmax over no key would.
+
+    Returns ``mask`` (additive, broadcastable to ``(B, H, L, S)``) with such rows opened (0 where every
+    key was ``-inf``), so the scores stay finite and their gradients too, and the rows ``(..., L or 1, 1)``,
+    True where a row was masked from every key, for the caller to zero after the softmax. With
+    ``may_sync`` (eager CPU calls, where reading a flag costs nothing) a mask without such rows is
+    returned as it is, with ``None``; elsewhere the mend is made without a host sync.
+    """
+    empty = torch.isneginf(mask).all(dim=-1, keepdim=True)
+    if may_sync and not bool(empty.any()):
+        return mask, None
+    return mask.masked_fill(empty, 0.0), empty
 
 
 def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:

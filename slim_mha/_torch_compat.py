@@ -24,6 +24,7 @@ __all__ = [
     "is_symbolic_call",
     "stock_head_split",
     "stock_kernel",
+    "sdpa_zeroes_rows_masked_from_every_key",
     "stock_layer_unfuses_for_hooks",
     "wrap_jit_prepare",
 ]
@@ -171,8 +172,11 @@ def stock_layer_unfuses_for_hooks() -> bool:
     attached to it or a submodule (torch >= 2.5 does, pytorch#128413; 2.4 fuses and skips the hooks).
 
     Observed, not read off a version: a tiny stock layer in eval, a hook on its attention, one call.
+    Its random initialisation draws under a forked RNG, so that a seeded script's first build and
+    draws are what they are without slim_mha.
     """
-    layer = STOCK_ENCODER_LAYER(4, 2, 4, dropout=0.0, batch_first=True).eval()
+    with torch.random.fork_rng(devices=[]):
+        layer = STOCK_ENCODER_LAYER(4, 2, 4, dropout=0.0, batch_first=True).eval()
     fired = []
     layer.self_attn.register_forward_hook(lambda *_: fired.append(True))
     with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -183,3 +187,23 @@ def stock_layer_unfuses_for_hooks() -> bool:
         finally:
             torch.backends.mha.set_fastpath_enabled(previous)
     return bool(fired)
+
+
+@functools.cache
+def sdpa_zeroes_rows_masked_from_every_key() -> bool:
+    """Whether this torch's ``scaled_dot_product_attention`` on the CPU gives a query row masked from
+    every key a zero output and finite gradients (torch 2.13 does; 2.4 gives NaN, pytorch#41508).
+
+    Observed, not read off a version: one tiny call without a graph and one with its backward. CUDA's
+    backends are not observed here, so CUDA calls are mended whatever this returns.
+    """
+    mask = torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]])  # row 1 sees no key
+    query = torch.ones(1, 1, 2, 2)
+    with torch.inference_mode(False), torch.no_grad():
+        if not bool((F.scaled_dot_product_attention(query, query, query, attn_mask=mask)[..., 1, :] == 0).all()):
+            return False
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = query.clone().requires_grad_()
+        out = F.scaled_dot_product_attention(leaf, leaf, leaf, attn_mask=mask)
+        out.sum().backward()
+    return bool((out[..., 1, :] == 0).all()) and leaf.grad is not None and bool(leaf.grad.isfinite().all())

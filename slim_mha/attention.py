@@ -10,7 +10,15 @@ from torch import Tensor, nn
 
 from . import inspection, unread_weights
 from ._explicit_attention import attention_with_weights, query_scale
-from ._stock_checks import AttentionCall, PreparedCall, attention_mask, prepare_call, stock_module_takes_fast_path
+from ._stock_checks import (
+    AttentionCall,
+    PreparedCall,
+    attention_mask,
+    open_empty_rows,
+    prepare_call,
+    sdpa_needs_empty_rows_mended,
+    stock_module_takes_fast_path,
+)
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
@@ -148,11 +156,18 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def _recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """The call with every head's weights, on the path it takes with weights, handed to the open
         ``recording_attention`` blocks; returns what the caller asked for."""
-        return inspection.record_call(self, self._unrecorded, call)
+        return inspection.record_call(self, self._unrecorded, self._slim_maps, call)
 
     def _unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         path, _ = choose_path(self, call, recording=False)
         return getattr(self, _RUNS[path])(call) if path != "general" else self._general_with_options(call, False)
+
+    def _slim_maps(self, call: AttentionCall) -> Tensor:
+        """Every head's attention probabilities for ``call``, ``(B, H, L, S)`` (unbatched: ``(H, L, S)``),
+        computed beside it: without dropout, a graph or a random draw (``recording_attention``)."""
+        with torch.no_grad():
+            weights = self._general(call._replace(need_weights=True, average_attn_weights=False), dropout_p=0.0)[1]
+        return cast(Tensor, weights)
 
     def _traced(self, call: AttentionCall):
         return fx_proxy_of(self, call.query, tuple(call))  # fx records the call, as stock's
@@ -229,12 +244,14 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
-    def _general(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _general(self, call: AttentionCall, dropout_p: float | None = None) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, top to bottom: stock's checks before its projections, the projections
         without the key bias, the appended tokens, the masks' shapes, the kernel (SDPA, or the
         explicit one where weights are asked for), the heads merged in stock's layout, the output
-        projection."""
-        need_weights, dropout_p, H = call.need_weights, (self.dropout if self.training else 0.0), self.num_heads
+        projection. ``dropout_p``: the module's (in training) unless given."""
+        if dropout_p is None:
+            dropout_p = self.dropout if self.training else 0.0
+        need_weights, H = call.need_weights, self.num_heads
         prepared = prepare_call(self, call)  # batched; stock's checks, its layout and fusing; canonical masks
         symbolic = is_symbolic_call(call.query)  # asked once: the projections and the weights path need it
 
@@ -263,11 +280,16 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
                 given_masks=(call.attn_mask, call.key_padding_mask),
             )
         else:
+            empty = None  # rows masked from every key: a zero output, where this SDPA gives NaN
             if mask is not None and has_folded_value_bias(self):
                 refuse_rows_masked_from_every_key(mask)
+            elif mask is not None and sdpa_needs_empty_rows_mended(q):
+                mask, empty = open_empty_rows(mask, may_sync=q.is_cpu and not symbolic)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=prepared.is_causal
             )
+            if empty is not None:
+                out = out.masked_fill(empty, 0.0)
             weights = None
 
         # Stock's layout, so that a dropout after the attention draws the same mask: (L, B, E) memory

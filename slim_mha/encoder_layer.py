@@ -9,10 +9,16 @@ what the fused kernel computes, with slim's attention in place of the kernel's.
 
 Slim takes a call only where stock's layer would fuse it, by stock's own rule
 (:func:`~slim_mha._stock_checks.why_stock_layer_is_not_fused`): hooks, training, autocast, a graph and
-every other case run stock's ``forward`` itself. Where slim takes the call, it computes from exactly
-the kernel's inputs: the attention's and the norms' parameters, ``norm1.eps``, relu or gelu, and the
-masks. So like the kernel it ignores ``is_causal``, the dropout modules and any ``_sa_block`` or
-``_ff_block`` a subclass overrides, and it raises the kernel's errors for masks of the wrong shape.
+every other case run stock's ``forward`` itself.
+
+**One reference.** Stock's documented function is what its ``forward`` computes unfused (its fast path
+off, or in training). Where the fused kernel departs from it (:func:`why_the_fused_kernel_departs`: a
+float mask, which the kernel reads as a bool one; a row masked from every key, which it turns to NaN;
+appended tokens, an attention ``forward`` of its own, dropout left in training mode, blocks or a GELU
+it never computes), slim runs stock's unfused ``forward`` at every length, so one model gives one
+answer whatever its length. Elsewhere slim computes from exactly the kernel's inputs: the attention's
+and the norms' parameters, ``norm1.eps``, relu or gelu, and the masks read as the kernel reads them
+(non-zero: masked), and it raises the kernel's errors for masks of the wrong shape.
 
 A nested tensor (what ``nn.TransformerEncoder`` makes of a padded batch in inference) reaches slim as
 a padded batch with its padding mask, and leaves as a nested tensor again: the padded rows are
@@ -26,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import inspection
-from ._stock_checks import why_stock_layer_is_not_fused
+from ._stock_checks import AttentionCall, why_stock_layer_is_not_fused
 from ._swap import prepare_scriptable
-from ._torch_compat import STOCK_ENCODER_LAYER, is_symbolic_call
+from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA, is_symbolic_call
 from .attention import SlimMultiheadAttention
 
 __all__ = ["SlimTransformerEncoderLayer", "layer_path", "FUSED_LAYER_MAX_LENGTH"]
@@ -47,20 +53,23 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
 
     * ``"stock layer"``: stock's ``forward``, which does not fuse this call (its general path, with
       slim's attention where the layer holds one); the reason is stock's own;
+    * ``"unfused layer"``: stock's ``forward`` as it runs unfused, the reference, where stock would
+      fuse the call but its fused kernel departs from the reference; the reason names the departure;
     * ``"stock fused layer"``: stock's ``forward``, which hands the call to its fused kernel;
     * ``"slim layer"``: what the fused kernel computes, with slim's attention in its place.
     """
     why = why_stock_layer_is_not_fused(layer, src, src_mask, src_key_padding_mask)
     if why:
         return "stock layer", why
+    why = why_the_fused_kernel_departs(layer, src, src_mask, src_key_padding_mask)
+    if why:
+        return "unfused layer", why
     if not isinstance(layer.self_attn, SlimMultiheadAttention):
         return "stock fused layer", "the layer holds a stock attention module"
     if is_symbolic_call(src):
         return "stock fused layer", "a trace, transform or fake tensor"
     if torch.is_autocast_enabled(src.device.type):
         return "stock fused layer", "autocast, whose casts the fused kernel's output dtype follows"
-    if inspection.RECORDING and inspection.watched(layer.self_attn):
-        return "slim layer", "attention maps are being recorded: the fused kernel computes none"
     if src.is_nested:  # nn.TransformerEncoder's padded batch (stock's rule: no mask beside it)
         kind, length = "nested", max((sequence.shape[0] for sequence in src.unbind()), default=0)
     else:
@@ -72,6 +81,66 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
             f"{length} tokens ({kind}): the fused kernel is faster up to {FUSED_LAYER_MAX_LENGTH[kind]}",
         )
     return "slim layer", ""
+
+
+def why_the_fused_kernel_departs(
+    layer: nn.TransformerEncoderLayer, src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None
+) -> str:
+    """Why stock's fused kernel would not compute stock's documented function (its unfused ``forward``)
+    for a call stock would fuse; ``""`` where it computes it. The one copy of the rule.
+
+    Each condition was observed against stock with its fast path off (tests/test_one_answer.py). A mask
+    is read only where one is given, as stock's own nested path reads it.
+    """
+    if src.is_nested:  # stock's unfused forward raises on a nested batch: the kernel's answer is the one
+        return ""
+    cls, attention = type(layer), layer.self_attn
+    if cls._sa_block is not STOCK_ENCODER_LAYER._sa_block or cls._ff_block is not STOCK_ENCODER_LAYER._ff_block:
+        return "an overridden _sa_block or _ff_block, which the fused kernel never calls"
+    if type(attention).forward not in (STOCK_MHA.forward, SlimMultiheadAttention.forward):
+        return "an attention module with a forward of its own, which the fused kernel never calls"
+    if attention.bias_k is not None or attention.add_zero_attn:
+        return "appended tokens (add_bias_kv, add_zero_attn), which the fused kernel ignores"
+    if isinstance(layer.activation, nn.GELU) and layer.activation.approximate != "none":
+        return "a tanh-approximated GELU, which the fused kernel computes exactly"
+    if _dropout_in_training(layer):
+        return "dropout in training mode inside an eval layer, which the fused kernel ignores"
+    for mask in (src_mask, src_key_padding_mask):
+        if mask is not None and mask.is_floating_point() and mask.dtype == src.dtype:
+            return "a float mask, which the fused kernel reads as a bool one (non-zero: masked) where stock adds it"
+    if _a_row_sees_no_key(src, src_mask, src_key_padding_mask):
+        return "a query masked from every key, which the fused kernel turns to NaN (slim gives it zeros)"
+    return ""
+
+
+def _dropout_in_training(layer: nn.TransformerEncoderLayer) -> bool:
+    """Whether a dropout the unfused forward applies is live in an eval layer (MC-dropout, say)."""
+    attention = layer.self_attn
+    if attention.training and attention.dropout > 0.0:
+        return True
+    modules = (getattr(layer, name, None) for name in ("dropout", "dropout1", "dropout2"))
+    return any(m is not None and m.training and getattr(m, "p", 1.0) > 0.0 for m in modules)
+
+
+def _a_row_sees_no_key(src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None) -> bool:
+    """Whether some query of a batch-first ``src`` ``(B, L, E)`` is masked from every key, with the masks
+    read as the fused kernel reads them (bool, or non-zero: masked). Reads the masks on the host."""
+    if src_mask is None and src_key_padding_mask is None:
+        return False
+    batch, length = src.shape[:2]
+    if (src_mask is not None and tuple(src_mask.shape[-2:]) != (length, length)) or (
+        src_key_padding_mask is not None and tuple(src_key_padding_mask.shape) != (batch, length)
+    ):
+        return False  # a mask of the wrong shape: the path that runs raises stock's error for it
+    if src_mask is not None and src_mask.dim() == 3 and src_mask.shape[0] % batch:
+        return False
+    masked = [m if m.dtype == torch.bool else m != 0 for m in (src_mask, src_key_padding_mask) if m is not None]
+    if src_mask is not None and src_mask.dim() == 3:  # (B·H, L, S) -> (B, H, L, S)
+        masked[0] = masked[0].view(src.shape[0], -1, *masked[0].shape[-2:])
+    if src_key_padding_mask is not None:  # (B, S) -> (B, 1, 1, S), beside a (L, S) or (B, H, L, S) mask
+        masked[-1] = masked[-1].view(masked[-1].shape[0], 1, 1, masked[-1].shape[-1])
+    rows = masked[0] if len(masked) == 1 else masked[0] | masked[1]
+    return bool(rows.all(dim=-1).any())
 
 
 class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -93,6 +162,10 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
         path, why = layer_path(self, src, src_mask, src_key_padding_mask)
         if inspection.EXPLAINING:
             inspection.note(self, "encoder layer", path, why)
+        if path == "stock fused layer" and inspection.RECORDING and inspection.watched(self.self_attn):
+            _record_beside_the_kernel(self, src, src_mask, src_key_padding_mask)
+        if path == "unfused layer":
+            return _unfused(self, src, src_mask, src_key_padding_mask, is_causal)
         if path != "slim layer":
             return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         if src.is_nested:
@@ -108,23 +181,12 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
 def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> Tensor:
     """What ``torch._transformer_encoder_layer_fwd`` computes from the arguments stock's layer gives it,
     with ``layer.self_attn`` (slim's) as the attention: batch-first ``src`` ``(B, L, E)``."""
-    # The masks made canonical as stock's forward makes them, before it decides anything.
-    src_key_padding_mask = F._canonical_mask(
-        mask=src_key_padding_mask,
-        mask_name="src_key_padding_mask",
-        other_type=F._none_or_dtype(src_mask),
-        other_name="src_mask",
-        target_type=src.dtype,
-    )
-    src_mask = F._canonical_mask(
-        mask=src_mask,
-        mask_name="src_mask",
-        other_type=None,
-        other_name="",
-        target_type=src.dtype,
-        check_other=False,
-    )
+    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
     _refuse_masks_as_the_kernel(layer, src, src_mask, src_key_padding_mask)
+    # Read as the kernel reads them: non-zero is masked (a float mask of another dtype than the input
+    # reaches here, which stock's unfused forward would refuse and its kernel reads so).
+    src_mask = None if src_mask is None else src_mask != 0
+    src_key_padding_mask = None if src_key_padding_mask is None else src_key_padding_mask != 0
     attention, eps, width = layer.self_attn, layer.norm1.eps, (src.shape[-1],)  # the kernel reads norm1.eps alone
     activation = F.gelu if layer.activation_relu_or_gelu == 2 else F.relu
 
@@ -153,6 +215,39 @@ def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mas
     return norm2(x + feed_forward(x))
 
 
+def _canonical_masks(src: Tensor, src_mask, src_key_padding_mask) -> tuple[Tensor | None, Tensor | None]:
+    """The masks made canonical as stock's ``forward`` makes them before it decides anything (bool
+    masks additive in ``src``'s dtype), with its warnings: ``(src_mask, src_key_padding_mask)``."""
+    src_key_padding_mask = F._canonical_mask(
+        mask=src_key_padding_mask,
+        mask_name="src_key_padding_mask",
+        other_type=F._none_or_dtype(src_mask),
+        other_name="src_mask",
+        target_type=src.dtype,
+    )
+    src_mask = F._canonical_mask(
+        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
+    )
+    return src_mask, src_key_padding_mask
+
+
+def _unfused(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask, is_causal: bool) -> Tensor:
+    """What stock's ``forward`` computes where it does not fuse: its masks made canonical, then its
+    blocks and norms as modules (a subclass's blocks, dropout modules and hooks on them included).
+
+    An ``is_causal`` hint without a mask is dropped, as stock's fused kernel drops it: there stock's
+    unfused forward raises where its kernel returns, and slim returns at every length.
+    """
+    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
+    is_causal = is_causal and src_mask is not None
+    x = src
+    if layer.norm_first:
+        x = x + layer._sa_block(layer.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+        return x + layer._ff_block(layer.norm2(x))
+    x = layer.norm1(x + layer._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+    return layer.norm2(x + layer._ff_block(x))
+
+
 def _refuse_masks_as_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> None:
     """The errors stock's fused call raises for masks of the wrong shape, with its types and words."""
     if src_mask is not None:  # stock merges the masks first: its views raise on a wrong shape
@@ -163,11 +258,43 @@ def _refuse_masks_as_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, 
         raise RuntimeError("For mask_type == 1 mask shape should be (B, L)")  # the kernel's check
 
 
-def _nested_through(layer: nn.TransformerEncoderLayer, src: Tensor) -> Tensor:
-    """Run the layer on a nested batch as a padded batch with its padding mask; nested again after."""
+def _record_beside_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> None:
+    """The maps of a call the fused kernel runs, which computes none: slim's attention's maps of the
+    kernel's attention input (``norm1(src)`` or ``src``, the masks read as the kernel reads them)."""
+    padding = None
+    if src.is_nested:
+        src, padding = _padded(src)
+        src_key_padding_mask = padding
+    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
+    width = (src.shape[-1],)
+    x = F.layer_norm(src, width, layer.norm1.weight, layer.norm1.bias, layer.norm1.eps) if layer.norm_first else src
+    call = AttentionCall(
+        x,
+        x,
+        x,
+        None if src_key_padding_mask is None else src_key_padding_mask != 0,
+        False,
+        None if src_mask is None else src_mask != 0,
+        True,
+        False,
+    )
+    attention = layer.self_attn
+    assert isinstance(attention, SlimMultiheadAttention)  # a recording block watches slim's alone
+    inspection.deliver(attention, attention._slim_maps(call))
+    if padding is not None:
+        inspection.pad_rows(attention, padding)
+
+
+def _padded(src: Tensor) -> tuple[Tensor, Tensor]:
+    """A nested batch as a padded one ``(B, longest, E)`` and its padding mask ``(B, longest)`` (True: not a token)."""
     lengths = torch.tensor([sequence.shape[0] for sequence in src.unbind()], device=src.device)
     padded = src.to_padded_tensor(0.0)  # (B, longest, E)
-    padding = torch.arange(padded.shape[1], device=src.device) >= lengths[:, None]  # True: not a token
+    return padded, torch.arange(padded.shape[1], device=src.device) >= lengths[:, None]
+
+
+def _nested_through(layer: nn.TransformerEncoderLayer, src: Tensor) -> Tensor:
+    """Run the layer on a nested batch as a padded batch with its padding mask; nested again after."""
+    padded, padding = _padded(src)
     out = _as_the_fused_kernel(layer, padded, None, padding)
     if inspection.RECORDING:  # the maps' padded rows as the output's: zero
         inspection.pad_rows(layer.self_attn, padding)

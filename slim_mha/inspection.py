@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -46,19 +47,32 @@ class _Recording:
     names: dict[int, str]  # id(module) -> its qualified name
     per_head: bool
     maps: AttentionMaps
+    thread: int  # the thread that opened the block: it alone is recorded
 
 
 def _watching(module: nn.Module) -> Iterator[tuple[_Recording, str]]:
-    """Each open recording block that watches ``module``, with the name it knows the module by."""
+    """Each open recording block of this thread that watches ``module``, with the name it knows it by."""
+    thread = threading.get_ident()
     for recording in RECORDING:
         name = recording.names.get(id(module))
-        if name is not None:
+        if name is not None and recording.thread == thread:
             yield recording, name
 
 
 def watched(module: nn.Module) -> bool:
-    """Whether an open :func:`recording_attention` block watches ``module``."""
-    return any(True for _ in _watching(module))
+    """Whether an open :func:`recording_attention` block of this thread watches ``module``.
+
+    Raises a ``RuntimeError`` inside ``torch.compile``: a compiled graph keeps no maps, and an empty
+    map would read as a model that attends to nothing.
+    """
+    if not any(True for _ in _watching(module)):
+        return False
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"recording_attention: {name_of(module)} was called inside torch.compile, whose graph computes "
+            "no attention maps; record the uncompiled model (a compiled module's ._orig_mod) instead"
+        )
+    return True
 
 
 @contextmanager
@@ -66,29 +80,44 @@ def recording_attention(model: nn.Module, per_head: bool = False) -> Iterator[At
     """Record the attention maps of every slim attention call in ``model`` while the block is open.
 
     Each map is what stock returns on the same inputs with ``need_weights=True`` and
-    ``average_attn_weights=not per_head``, detached; in training, stock's weights after dropout. The
-    model's outputs are what they would be without the block, within stock's rounding. Encoder layers
-    that stock would hand to its fused kernel (which never computes the weights) compute the same
-    function with slim's attention instead, at every length; a nested batch's maps are padded as the
-    output is (padded keys get weight 0, padded query rows are zero). Blocks nest. Calls under CPU
-    autocast that stock's fused encoder layer takes, and nested tensors handed to a bare attention
-    module, keep stock's kernel and record nothing.
+    ``average_attn_weights=not per_head``, detached. Where the caller asked for those weights, the map
+    is them (in training, after dropout); otherwise it is computed beside the call, without dropout,
+    a graph or a random draw. The model's outputs are what they are without the block, bit for bit,
+    and so are its random draws: each call runs as it would unrecorded. Encoder layers that stock
+    hands to its fused kernel (which computes no weights) get their maps beside the kernel's call; a
+    nested batch's maps are padded as the output is (padded keys get weight 0, padded query rows are
+    zero). A query masked from every key gets a row of zeros. Blocks nest. A block records the calls
+    of the thread that opened it. Nested tensors handed to a bare attention module keep stock's
+    kernel and record nothing.
 
     Raises:
         ValueError: ``model`` holds no slim attention module (patch or convert it first).
         torch.OutOfMemoryError: a map would not fit in memory; the message names the module and the
             bytes, and nothing is allocated.
+        RuntimeError: a watched module runs inside ``torch.compile`` (record the uncompiled model).
     """
     names = _slim_attention_names(model, "recording_attention")
-    recording = _Recording(names, bool(per_head), AttentionMaps({name: [] for name in names.values()}))
+    maps = AttentionMaps({name: [] for name in names.values()})
+    recording = _Recording(names, bool(per_head), maps, threading.get_ident())
     with _opened(RECORDING, recording):
         yield recording.maps
 
 
-def deliver(module: nn.Module, weights: Tensor) -> None:
-    """Hand one call's per-head weights (``(B, H, L, S)`` or ``(H, L, S)``) to every block watching ``module``."""
+def deliver(module: nn.Module, heads: Tensor | None, averaged: Tensor | None = None) -> None:
+    """Hand one call's maps to every block watching ``module``: every head's (``(B, H, L, S)`` or
+    ``(H, L, S)``), and their average where the call returned it (else it is taken of ``heads``)."""
     for recording, name in _watching(module):
-        recording.maps[name].append(weights.detach() if recording.per_head else weights.detach().mean(dim=-3))
+        if recording.per_head:
+            recording.maps[name].append(cast(Tensor, heads).detach())
+        else:
+            recording.maps[name].append(
+                (averaged if averaged is not None else cast(Tensor, heads).mean(dim=-3)).detach()
+            )
+
+
+def wants_every_head(module: nn.Module) -> bool:
+    """Whether a block watching ``module`` records every head's map."""
+    return any(recording.per_head for recording, _ in _watching(module))
 
 
 def pad_rows(module: nn.Module, padding: Tensor) -> None:
@@ -201,14 +230,20 @@ def _opened(registry: list, entry) -> Iterator[None]:
             registry.remove(entry)
 
 
-def record_call(module: nn.Module, run, call) -> tuple[Tensor, Tensor | None]:
-    """Run ``call`` through ``run`` with every head's weights, deliver them, and return what the caller
-    asked for: the output, and the weights as asked (averaged or not), or ``None``."""
-    try:
-        out, weights = run(call._replace(need_weights=True, average_attn_weights=False))
-    except torch.OutOfMemoryError as error:
-        raise torch.OutOfMemoryError(f"recording_attention: module {name_of(module)}: {error}") from None
-    deliver(module, weights)
-    if not call.need_weights:
-        return out, None
-    return out, weights.mean(dim=-3) if call.average_attn_weights else weights
+def record_call(module: nn.Module, run, maps_of, call) -> tuple[Tensor, Tensor | None]:
+    """Run ``call`` through ``run`` as asked, so its outputs and random draws are the unrecorded call's;
+    deliver its weights where they are the maps the blocks want, else the maps ``maps_of(call)``
+    computes beside it (every head's, without dropout or a graph). Returns what ``run`` returned."""
+    out, weights = run(call)
+    heads = averaged = None
+    if call.need_weights and not call.average_attn_weights:
+        heads = weights
+    elif call.need_weights and not wants_every_head(module):
+        averaged = weights
+    else:
+        try:
+            heads = maps_of(call)
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(f"recording_attention: module {name_of(module)}: {error}") from None
+    deliver(module, heads, averaged)
+    return out, weights

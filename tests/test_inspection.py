@@ -113,14 +113,34 @@ def test_maps_from_a_bare_module_in_every_way_slim_is_made(how):
     torch.testing.assert_close(out, stock(q, kv, kv, need_weights=False)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_in_training_the_maps_are_the_weights_after_dropout():
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("average", [False, True])
+def test_in_training_recording_changes_no_output_and_no_draw(need_weights, average):
+    """The call runs as it would unrecorded: its output, weights, gradients and the RNG after it are
+    those of the same seeded call outside the block, bit for bit. The maps are the returned weights
+    (after dropout) where the caller asked for them, else every head's probabilities without dropout."""
     torch.manual_seed(0)
     slim = slim_mha.SlimMultiheadAttention(E, H, dropout=0.5, batch_first=True).train()
     x = torch.randn(2, 50, E)
-    with slim_mha.recording_attention(slim) as maps:
-        slim(x, x, x, need_weights=False)[0].sum().backward()
-    (recorded,) = maps["(the model)"]
-    assert (recorded == 0).any() and not torch.allclose(recorded.sum(-1), torch.ones(2, 50))
+
+    def step():
+        torch.manual_seed(1)
+        leaf = x.clone().requires_grad_()
+        out, weights = slim(leaf, leaf, leaf, need_weights=need_weights, average_attn_weights=average)
+        out.sum().backward()
+        return out, weights, leaf.grad, torch.rand(3)
+
+    unrecorded = step()
+    with slim_mha.recording_attention(slim, per_head=True) as maps:
+        recorded = step()
+    for a, b in zip(unrecorded, recorded):
+        assert (a is None and b is None) or torch.equal(a, b)
+    (heads,) = maps["(the model)"]
+    assert heads.shape == (2, H, 50, 50)
+    if need_weights and not average:
+        assert torch.equal(heads, recorded[1].detach()) and (heads == 0).any()  # after dropout
+    else:
+        torch.testing.assert_close(heads.sum(-1), torch.ones(2, H, 50))  # probabilities, no dropout
 
 
 def test_no_state_is_left_after_a_block_that_raised_and_blocks_nest():
