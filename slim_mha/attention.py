@@ -149,9 +149,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if inspection.EXPLAINING:
             inspection.note(self, "attention", path, why)
         if path != "general":
-            return getattr(self, _RUNS[path])(call)
-        discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
-        return self._general_with_options(call, discarded)
+            result = getattr(self, _RUNS[path])(call)
+        else:
+            discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
+            result = self._general_with_options(call, discarded)
+        # The check follows whatever path ran, so that checking changes no output, not even its last bits.
+        if (self.check_equivariance or _equivariance.SWITCH.active) and path != "traced":
+            if not is_capturing_or_transforming():
+                _equivariance.check_call(self, result, call)
+        return result
 
     def _recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """The call with every head's weights, on the path it takes with weights, handed to the open
@@ -220,14 +226,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return (out.transpose(1, 0) if self.batch_first else out), weights
 
     def _general_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
-        """Slim's own path, with slim's own options around it: weights skipped where the caller
-        provably discards them, and the equivariance check."""
+        """Slim's own path, with weights skipped where the caller provably discards them."""
         drop_weights = False
         if weights_discarded:
             call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
         result = self._general(call)
-        if (self.check_equivariance or _equivariance.SWITCH.active) and not is_capturing_or_transforming():
-            _equivariance.check_call(self, result, call)
         return (result[0], None) if drop_weights else result
 
     def _sdpa(self, call: AttentionCall) -> tuple[Tensor, None]:

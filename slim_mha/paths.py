@@ -35,7 +35,6 @@ from ._explicit_attention import below_checked_size, blocks_forced
 from ._stock_checks import AttentionCall, module_records_graph, stock_module_takes_fast_path
 from ._swap import FOLDED_VALUE_BIAS
 from ._torch_compat import is_symbolic_call
-from .equivariance import _mode as _equivariance
 
 __all__ = ["ONE_PASS_FROM_SCORE_BYTES", "STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
 
@@ -158,8 +157,8 @@ def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tenso
 def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool) -> str:
     """The first reason a call can take no path but slim's own, or ``""``."""
     state, parameters = module.__dict__, module._parameters
-    if state.get("check_equivariance") or _equivariance.SWITCH.active or (need_weights and module.skip_unread_weights):
-        return "slim's own options (the equivariance check, skip_unread_weights)"
+    if need_weights and module.skip_unread_weights:
+        return "slim's own option skip_unread_weights"
     if parameters.get("bias_k") is not None or parameters.get("bias_v") is not None or state["add_zero_attn"]:
         return "appended tokens, where the key bias matters"
     out_parameters = cast(nn.Module, module._modules["out_proj"])._parameters

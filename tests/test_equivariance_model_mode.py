@@ -556,11 +556,11 @@ def test_functional_dropout_left_on_would_be_a_false_alarm(monkeypatch):
     """Why the comparison zeroes functional dropout: its random mask does not follow the tokens."""
     from slim_mha.equivariance import _checker
 
-    class PassThrough(_checker.TorchFunctionMode):
+    class PassThrough(_checker._CheckRuns):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(_checker, "_WithoutFunctionalDropout", PassThrough)
+    monkeypatch.setattr(_checker, "_CheckRuns", PassThrough)
     torch.manual_seed(0)
     model = Everything().train()
     with pytest.raises(EquivarianceError), checking_equivariance(model, dim=1):

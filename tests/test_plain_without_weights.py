@@ -144,7 +144,6 @@ GENERAL_PATH = [
     *REFUSED,
     "autocast",
     "dropout in training",
-    "equivariance check",
     "parametrized bias",
     "vmap",
     "tensor subclass",
@@ -161,8 +160,6 @@ def test_other_calls_take_the_general_path_and_match_stock(case, short_calls):
     if case == "parametrized bias":
         for module in (stock, slim):
             parametrize.register_parametrization(module, "in_proj_bias", Halved())
-    elif case == "equivariance check":
-        slim.check_equivariance = True
     elif case == "tensor subclass":
         query = key = value = x.as_subclass(Tagged)
     with context:

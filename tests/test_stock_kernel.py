@@ -186,7 +186,6 @@ def _odd_head_modules(batch_first: bool = True):
 
 SLIM_OWN = [
     "dropout in training",
-    "equivariance check",
     "skip unread weights",
     "memory guard sizes",
     "forced blocks",
@@ -209,9 +208,6 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             slim.train()
             out, weights = slim(x, x, x)
             assert out.shape == (BATCH, LENGTH, EMBED) and weights.shape == (BATCH, LENGTH, LENGTH)
-        elif case == "equivariance check":
-            slim.check_equivariance = True
-            assert_like_stock(stock, slim, x, x, x)
         elif case == "skip unread weights":
             slim.skip_unread_weights = True
             out, weights = slim(x, x, x)  # read: computed by the general path

@@ -19,6 +19,8 @@ asked: the report says which reading its output does match).
 from __future__ import annotations
 
 import itertools
+import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -74,19 +76,6 @@ __all__ = [
 
 DimSpec = int | Sequence[int] | None
 
-# Modules whose randomness the check switches off: dropout layers, and attention, whose dropout
-# is internal and follows its own ``training`` flag.
-_DROPOUT_TYPES = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-    nn.MultiheadAttention,
-)
-
-
 # ---------------------------------------------------------------------------------- measuring
 
 
@@ -120,9 +109,9 @@ def permutation_equivariance_error(
             default ``fn`` when it is an ``nn.Module`` (or a bound method of one).
         submodules: also compare every submodule call (slower; the assertions do it on failure).
 
-    Both calls run under ``torch.no_grad()`` from the same global RNG state, which is restored after.
-    Dropout layers and attention modules are put in eval mode for the calls; every training flag
-    and buffer (e.g. batch-norm running statistics) is restored after.
+    Both calls run under ``torch.no_grad()``, without dropout, on copies of the inputs, from the
+    state the inputs and the module are in (the global RNGs, module attributes, buffers), which both
+    leave as they found it (:func:`isolated_runs`).
 
     Returns:
         :class:`PermutationErrors`: numbers only, no verdict (see :func:`assert_permutation_equivariant`).
@@ -173,13 +162,16 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
     else:
         permutation, seed = checked_permutation(permutation, plan.length), None
     module, fn, kwargs = call.module, call.fn, call.kwargs
-    permuted = permute_inputs(call.inputs, plan, permutation)
+    # Each run gets copies: a model that edits its input in place (x.masked_fill_) edits neither the
+    # caller's tensors (whose graph would then fail backward) nor the other run's.
+    permuted = permute_inputs(_copies(call.inputs), plan, permutation)
+    inputs = _copies(call.inputs)
     wraps_module = (fn is not module) if call.wraps_module is None else call.wraps_module
     record = module if submodules else None
 
-    with _check_conditions(module, call.inputs) as rewind, _context.naming(module):
+    with isolated_runs(module, call.inputs) as rewind, _context.naming(module):
         with recording(record, include_root=wraps_module) as original_calls:
-            reference = fn(*call.inputs, **kwargs)
+            reference = fn(*inputs, **kwargs)
         rewind()
         with recording(record, include_root=wraps_module) as permuted_calls:
             result = fn(*permuted, **kwargs)
@@ -219,6 +211,17 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
         relabelled=plan.relabelled,
         input_names=call.input_names,
     )
+
+
+def _copies(inputs: tuple) -> tuple:
+    """Detached copies of the tensors among ``inputs``, one per distinct tensor (``query is key`` holds
+    of the copies as of the inputs: it selects attention's fused projection)."""
+    copies: dict[int, Tensor] = {}
+    with torch.no_grad():
+        for x in inputs:
+            if isinstance(x, Tensor) and id(x) not in copies:
+                copies[id(x)] = x.detach().clone()
+    return tuple(copies[id(x)] if isinstance(x, Tensor) else x for x in inputs)
 
 
 def _check_output(
@@ -373,54 +376,85 @@ def _module_of(fn: Callable) -> nn.Module | None:
 
 
 @contextmanager
-def _check_conditions(module: nn.Module | None, inputs: tuple) -> Iterator[Callable[[], None]]:
-    """No grad, no dropout, the same RNG state for both runs; flags, buffers and RNG restored after.
+def isolated_runs(module: nn.Module | None, inputs: tuple) -> Iterator[Callable[[], None]]:
+    """No grad, no dropout, and each run from the state the call left; that state untouched after.
 
-    Nothing the caller holds changes: buffers are written back through ``.data``, which leaves
-    their version counters alone, so a graph the caller recorded before the check (batch norm
-    saves its running statistics for backward) still runs backward.
+    ``rewind()`` (before each run, and on the way out) puts back the global RNGs (torch's, Python's
+    ``random``, NumPy's) and every module attribute a run set (an MoE's ``aux_loss``, a step counter),
+    and gives the runs fresh copies of the buffers: they update the copies (batch-norm statistics, an
+    EMA, spectral norm's ``_u``), never the buffers themselves, whose values and version counters a
+    graph the caller recorded may need for backward. Nothing process-wide is switched: dropout is
+    turned off by a function mode of this thread alone (:class:`_CheckRuns`), so another thread
+    sharing the model keeps its dropout.
     """
     tensors = [x for x in inputs if isinstance(x, Tensor)]
+    modules = list(module.modules()) if module is not None else []
     if module is not None:
         tensors += list(itertools.chain(module.parameters(), module.buffers()))
     devices = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
-    cpu_state = torch.get_rng_state()
-    cuda_states = [torch.cuda.get_rng_state(device) for device in devices]
+    random_states = _RandomStates(devices)
+    attributes = [(owner, dict(owner.__dict__)) for owner in modules]
+    buffers = [
+        (owner, name, buffer) for owner in modules for name, buffer in owner._buffers.items() if buffer is not None
+    ]
 
     def rewind() -> None:
-        torch.set_rng_state(cpu_state)
-        for device, state in zip(devices, cuda_states):
-            torch.cuda.set_rng_state(state, device)
+        random_states.restore()
+        for owner, saved in attributes:
+            _restore_attributes(owner, saved)
+        with torch.no_grad():
+            for owner, name, buffer in buffers:
+                owner._buffers[name] = buffer.detach().clone()
 
-    switched, saved = [], []
-    if module is not None:
-        for submodule in module.modules():
-            if submodule.training and isinstance(submodule, _DROPOUT_TYPES):
-                submodule.training = False  # this module only: its children keep their flags
-                switched.append(submodule)
-        saved = [
-            (owner, name, buffer, buffer.detach().clone())
-            for owner in module.modules()
-            for name, buffer in owner._buffers.items()
-            if buffer is not None
-        ]
     try:
-        with torch.no_grad(), _WithoutFunctionalDropout():
+        rewind()
+        with torch.no_grad(), _CheckRuns():
             yield rewind
     finally:
-        for submodule in switched:
-            submodule.training = True
-        with torch.no_grad():
-            for owner, name, buffer, copy in saved:
-                owner._buffers[name] = buffer
-                buffer.data.copy_(copy)
         rewind()
+        for owner, name, buffer in buffers:
+            owner._buffers[name] = buffer
 
 
-class _WithoutFunctionalDropout(TorchFunctionMode):
-    """Dropout called as a function in a module's own code (``F.dropout(x, p, self.training)``,
-    ``F.scaled_dot_product_attention(..., dropout_p=...)``) keeps nothing random: a random mask
-    does not follow the tokens, and would fail the check on a model that has no fault."""
+class _RandomStates:
+    """The global random generators a model's ``forward`` may draw from, as they are now."""
+
+    def __init__(self, cuda_devices: list[int]) -> None:
+        self.cuda_devices = cuda_devices
+        self.torch = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(device) for device in cuda_devices]
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")  # only where the program uses it: never imported here
+        self.numpy = (numpy, numpy.random.get_state()) if numpy is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        for device, state in zip(self.cuda_devices, self.cuda):
+            torch.cuda.set_rng_state(state, device)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            numpy, state = self.numpy
+            numpy.random.set_state(state)
+
+
+_MISSING = object()
+
+
+def _restore_attributes(owner: nn.Module, saved: dict) -> None:
+    """Put ``owner``'s instance attributes back as ``saved`` holds them: added ones go, rebound ones return."""
+    current = owner.__dict__
+    for name in [name for name in current if name not in saved]:
+        del current[name]
+    for name, value in saved.items():
+        if current.get(name, _MISSING) is not value:
+            current[name] = value
+
+
+class _CheckRuns(TorchFunctionMode):
+    """Dropout called as a function (``F.dropout``, a dropout module's forward, the ``dropout_p`` of
+    ``F.scaled_dot_product_attention``) keeps nothing random in the check's own runs: a random mask
+    does not follow the tokens, and would fail the check on a model that has no fault. A function
+    mode holds for the thread that entered it alone."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

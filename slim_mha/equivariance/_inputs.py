@@ -52,6 +52,10 @@ class InputPlan:
     length: int
 
 
+class TooFewTokens(ValueError):
+    """The set has 0 or 1 tokens: nothing to permute. The checkers raise it; the modes skip the call."""
+
+
 def input_plan(dim, inputs: tuple) -> InputPlan:
     """The input rules.
 
@@ -173,7 +177,9 @@ def _token_count(inputs: tuple, input_dims: tuple[tuple[int, ...], ...]) -> int:
                 "check sets of different sizes separately (None in dim for the fixed ones)"
             )
     if first[2] < 2:
-        raise ValueError(f"the permuted axes have {first[2]} token(s): a permutation needs at least 2 to move anything")
+        raise TooFewTokens(
+            f"the permuted axes have {first[2]} token(s): a permutation needs at least 2 to move anything"
+        )
     return first[2]
 
 

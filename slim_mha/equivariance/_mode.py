@@ -26,10 +26,11 @@ and the property is equivariance with the mask following the tokens, ``f(P x, P 
 the recomputation passes the permuted mask, which is no longer causal, without the hint. Only a call
 with ``is_causal=True`` and no mask has nothing to permute, and raises.
 
-No side effects: the recomputation runs under ``no_grad`` on detached inputs, with the module's
-dropout off (a dropout-free reference is recomputed when the call used dropout; the returned tensors
-are never touched), and the permutations come from private generators, so the global RNG is neither
-read nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module,
+No side effects: the check follows whatever path the call took and recomputes after it, under
+``no_grad`` on detached inputs, with dropout off in this thread alone (a dropout-free reference is
+recomputed when the call used dropout; the returned tensors are never touched), on copies of the
+module's buffers (a parametrized projection's spectral norm is not advanced), and the permutations
+come from private generators, so the global RNG is neither read nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module,
 and under ``torch.func`` transforms (``vmap``, ``grad``), the check is skipped, so graphs stay free
 of it and transforms see the plain call.
 """
@@ -51,6 +52,7 @@ from torch import Tensor, nn
 
 from .._stock_checks import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
+from ._checker import isolated_runs
 from ._context import is_rerunning, naming, qualified_name, type_name
 from ._inputs import SAME_AS_DIM
 from ._measure import (
@@ -61,6 +63,7 @@ from ._measure import (
     measure_error,
     permute,
 )
+from ._model_mode import CALLS as MODEL_CALLS
 from ._model_mode import ModelCheck, check_dim, check_model_options
 
 __all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "reset", "resolve_options"]
@@ -381,7 +384,9 @@ class _AttentionCheck:
 
     def run(self, result: tuple[Tensor, Tensor | None]) -> None:
         __tracebackhide__ = True
-        with torch.no_grad(), _without_dropout(self.module):
+        # Each recomputation from the state the call left (a parametrized projection's buffers, the
+        # RNGs), restored after; dropout off in this thread alone (isolated_runs).
+        with isolated_runs(self.module, ()) as self.rewind:
             if self.recompute_reference:  # dropout noise, or a causal hint read differently: recompute
                 reference = self._attend(permute_queries=False, permute_keys=False)
             else:
@@ -411,6 +416,7 @@ class _AttentionCheck:
                 key_padding_mask = permute(key_padding_mask, (-1,), self.key_permutation)  # (B, S) or (S,)
             if attn_mask is not None:
                 attn_mask = permute(attn_mask, (-1,), self.key_permutation)
+        self.rewind()
         return self.module._general(
             AttentionCall(
                 query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
@@ -499,24 +505,13 @@ def _detach_alike(*tensors: Tensor | None) -> list[Tensor | None]:
     return [None if tensor is None else detached[id(tensor)] for tensor in tensors]
 
 
-@contextmanager
-def _without_dropout(module: nn.Module) -> Iterator[None]:
-    if not (module.training and getattr(module, "dropout", 0.0) > 0.0):
-        yield
-        return
-    module.training = False  # this module only; its dropout reads this flag
-    try:
-        yield
-    finally:
-        module.training = True
-
-
 def reset(environment: str | None = None) -> None:
     """Back to the state of a fresh process whose environment variable is ``environment``: the checks'
     seed sequence from its start, no call counted, no model warned about. For tests and notebooks."""
     with _LOCK:
         _SEEDS.manual_seed(_SEEDS.initial_seed())
         _CALLS.clear()
+        MODEL_CALLS.clear()
         _WARNED.clear()
     _configure_environment(environment)
 

@@ -10,9 +10,10 @@ input rules, its tolerance table, its search for the culprit), and a break raise
 :class:`EquivarianceError` from the call.
 
 Nothing the caller holds changes. The call's own output and graph are returned as they are; the
-comparison runs both runs under ``no_grad``, without dropout (dropout layers and attention in eval
-mode, functional dropout zeroed, since a random mask does not follow the tokens), from the global
-RNG state the call left, which is restored after, with every buffer and training flag put back.
+comparison runs both runs under ``no_grad``, without dropout (since a random mask does not follow
+the tokens), on copies of the inputs and of the buffers, from the random state and module attributes
+the call left, which are put back after (:func:`._checker.isolated_runs`). No module flag is switched.
+``every`` counts the model's calls across scopes (:data:`CALLS`); a set of 0 or 1 tokens is skipped.
 Both runs are marked as the check's own (:func:`._context.rerunning`): neither mode checks inside
 them. A checked call therefore costs two no-grad forwards of the model, plus, when it fails, two
 more with hooks to find the culprit.
@@ -30,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
@@ -38,12 +40,15 @@ from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
 from . import _context
 from ._checker import CheckedCall, error_for, measure
 from ._context import type_name
-from ._inputs import INDICES, SAME_AS_DIM
+from ._inputs import INDICES, SAME_AS_DIM, TooFewTokens
 from ._measure import EquivarianceError
 
 __all__ = ["ModelCheck", "check_dim", "check_model_options"]
 
 _ACTIVE: ContextVar[tuple[ModelCheck, ...]] = ContextVar("slim_mha_equivariance_model_checks", default=())
+# The calls of each model seen while a scope checked it, across scopes: ``every`` counts a model's
+# steps, so a block that wraps one training step checks every ``every``-th step, not every step.
+CALLS: WeakKeyDictionary[nn.Module, int] = WeakKeyDictionary()
 
 
 def check_dim(dim) -> None:
@@ -93,7 +98,6 @@ class ModelCheck:
         self.tolerance = tolerance
         self.permutation = permutation
         self.every = every
-        self.calls = 0  # the model's calls seen by this scope
         self._draw_seed = draw_seed
         self._warned = False
 
@@ -119,8 +123,8 @@ class ModelCheck:
             return None
         if is_symbolic_call(first):
             return None
-        count = self.calls
-        self.calls += 1
+        count = CALLS.get(self.model, 0)
+        CALLS[self.model] = count + 1
         if count % self.every == 0:
             self._check(args, kwargs, count)
         return None  # the call's output, unchanged
@@ -138,7 +142,7 @@ class ModelCheck:
         self._warned = True
         kinds = ", ".join(type(x).__name__ for x in (*args, *kwargs.values())) or "none"
         warnings.warn(
-            f"{self._describe()}: call {self.calls + 1} of {type_name(self.model)} has no tensor input the check "
+            f"{self._describe()}: call {CALLS.get(self.model, 0) + 1} of {type_name(self.model)} has no tensor input the check "
             f"can find (its inputs: {kinds}), so it is not checked. Tensors are found in tuples, lists, dicts and "
             "types registered with torch.utils._pytree; pass the tensors as arguments, register the type, or check "
             "a function of the tensors with slim_mha.assert_permutation_equivariant",
@@ -153,6 +157,8 @@ class ModelCheck:
             with _context.rerunning():
                 result = measure(checked, seed=self._draw_seed(), permutation=permutation, submodules=False)
                 error = error_for(checked, result, self.tolerance)
+        except TooFewTokens:  # a set of 0 or 1 tokens (the last batch of an epoch, say): nothing to permute
+            return
         except ValueError as problem:  # the inputs do not fit dim: say which call and which argument
             raise ValueError(f"{self._describe()}: call {count + 1} of {type_name(self.model)}: {problem}") from None
         except Exception as problem:  # the model refused the permuted inputs: name the check, keep the cause
