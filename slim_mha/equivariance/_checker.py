@@ -23,6 +23,7 @@ import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,11 +50,14 @@ from ._locate import (
     recording,
 )
 from ._measure import (
+    SENTINEL,
     EquivarianceError,
     TensorError,
     draw_permutation,
+    less_precise,
     measure_error,
     permute,
+    tolerance_dtype,
 )
 from ._report import (
     OutputCheck,
@@ -237,8 +241,10 @@ def _check_output(
     and the permuted inputs' magnitudes: a rounding error grows with the numbers summed, and a
     layer that subtracts large inputs (a point cloud far from the origin) keeps their rounding."""
 
+    dtype = less_precise(actual.dtype, tolerance_dtype(expected))  # under autocast: the dtype it computed in
+
     def error_for(reading: tuple[int, ...]):
-        error = measure_error(name, actual, permute(expected, reading, permutation), reading)
+        error = measure_error(name, actual, permute(expected, reading, permutation), reading, dtype)
         return replace(error, scale=input_scale, scale_of="inputs") if error.scale < input_scale else error
 
     alternatives = tuple(error_for(reading) for reading in readings(expected, length) if reading != dims)
@@ -263,7 +269,11 @@ def _input_scale(inputs: tuple, plan: InputPlan) -> float:
     for x, dims in zip(inputs, plan.dims):
         if dims and isinstance(x, Tensor) and x.is_floating_point() and x.numel():
             with torch.no_grad():
-                scale = max(scale, float(x.detach().abs().nan_to_num(nan=0.0, posinf=0.0).max()))
+                values = x.detach()
+                magnitude = values.abs()
+                if not values.is_complex():  # an additive mask's fills never widen the tolerance
+                    magnitude = magnitude.masked_fill(values <= SENTINEL, 0.0)
+                scale = max(scale, float(magnitude.nan_to_num(nan=0.0, posinf=0.0).max()))
     return scale
 
 
@@ -406,14 +416,42 @@ def isolated_runs(module: nn.Module | None, inputs: tuple) -> Iterator[Callable[
             for owner, name, buffer in buffers:
                 owner._buffers[name] = buffer.detach().clone()
 
+    attention = [m for m in modules if isinstance(m, nn.MultiheadAttention)]
+    hints = [m.register_forward_pre_hook(_mask_over_causal_hint, with_kwargs=True) for m in attention]
+    token = _IN_RUNS.set(True)
     try:
         rewind()
         with torch.no_grad(), _CheckRuns():
             yield rewind
     finally:
+        _IN_RUNS.reset(token)
+        for handle in hints:
+            handle.remove()
         rewind()
         for owner, name, buffer in buffers:
             owner._buffers[name] = buffer
+
+
+_IN_RUNS: ContextVar[bool] = ContextVar("slim_mha_equivariance_in_runs", default=False)
+_ATTN_MASK, _IS_CAUSAL = 5, 7  # positions in MultiheadAttention.forward's signature
+
+
+def _mask_over_causal_hint(module: nn.Module, args: tuple, kwargs: dict):
+    """In the check's runs, an attention call's ``is_causal`` hint beside an explicit ``attn_mask`` is
+    dropped: the hint says the mask is the causal one, which the mask permuted with the tokens no
+    longer is, and attention would then ignore the mask. The mask is the truth: ``f(P x, P M Pᵀ) =
+    P f(x, M)`` (``nn.Transformer(..., tgt_is_causal=True)`` is checked so). Other threads' calls,
+    and calls outside the runs, pass as they are."""
+    if not _IN_RUNS.get():
+        return None
+    mask = kwargs.get("attn_mask", args[_ATTN_MASK] if len(args) > _ATTN_MASK else None)
+    if mask is None:
+        return None
+    if kwargs.get("is_causal"):
+        return args, {**kwargs, "is_causal": False}
+    if len(args) > _IS_CAUSAL and args[_IS_CAUSAL]:
+        return (*args[:_IS_CAUSAL], False, *args[_IS_CAUSAL + 1 :]), kwargs
+    return None
 
 
 class _RandomStates:

@@ -115,18 +115,35 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
     first_index, first = next(((index, x) for index, x in tensors if not integer(x)), tensors[0])
     first_axes = _axes_of(dim, first.ndim, f"dim for input {first_index} {_shape_of(first)}")
     length = first.shape[first_axes[0]]
+    # A negative axis counts from the end of that input: the same axis of every other input, so that
+    # dim=-2 on (B, L, E) tokens moves a (B, L) mask's tokens, not its batch.
+    axis = first_axes[0]
     dims: list[tuple[int, ...]] = [() for _ in inputs]
     relabelled: list[int] = []
     for index, x in tensors:
-        if integer(x) and not -x.ndim <= dim < x.ndim:
+        if integer(x) and axis >= x.ndim:
             continue  # no token axis at all (a class label per sample): not token indices, left as it is
-        if integer(x) and x.shape[dim] != length:
+        if integer(x) and x.shape[axis] != length:
             relabelled.append(index)
+        elif integer(x) and _holds_positions(x, axis):
+            continue  # position ids belong to the slots, not the tokens: left as they are
         else:
-            dims[index] = _axes_of(dim, x.ndim, f"dim for input {index} {_shape_of(x)}")
+            dims[index] = _axes_of(axis, x.ndim, f"dim for input {index} {_shape_of(x)}")
     plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, tuple(dims)))
     _check_indices(inputs, plan)
     return plan
+
+
+def _holds_positions(x: Tensor, axis: int) -> bool:
+    """Whether integer ``x`` counts ``0..L-1`` along ``axis`` (Hugging Face's ``position_ids``): the
+    positions of the slots, which stay where they are when the tokens move, so that a model reading
+    them shows its dependence on order."""
+    length = x.shape[axis]
+    if length < 2 or x.numel() == 0:
+        return False
+    shape = [1] * x.ndim
+    shape[axis] = length
+    return bool((x == torch.arange(length, device=x.device).view(shape)).all())
 
 
 def _check_indices(inputs: tuple, plan: InputPlan) -> None:

@@ -13,10 +13,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "SENTINEL",
     "TOLERANCE",
     "EquivarianceError",
     "TensorError",
     "tolerance_for",
+    "tolerance_dtype",
     "measure_error",
     "draw_permutation",
     "permute",
@@ -37,6 +39,13 @@ TOLERANCE: dict[torch.dtype, float] = {
 }
 
 
+# Values at or below this are an additive mask's fill (``finfo.min``, -1e9 and -1e4 are the fills in
+# use; softmax sends them to zero): they never set the scale a tolerance is relative to, in the
+# inputs or in an output (``scores.masked_fill(pad, -1e9)``), or they would hide any real break.
+# Large positive values, and negative ones above it, still do: a point cloud far from the origin.
+SENTINEL = -1e4
+
+
 def tolerance_for(dtype: torch.dtype) -> float:
     """The relative tolerance for ``dtype``: the table's entry, exact for integers and booleans."""
     if dtype in TOLERANCE:
@@ -49,7 +58,21 @@ def tolerance_for(dtype: torch.dtype) -> float:
     return TOLERANCE[torch.bfloat16] * max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.bfloat16).eps)
 
 
-def _less_precise(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+def tolerance_dtype(output: Tensor) -> torch.dtype:
+    """The output's dtype, or the autocast dtype when autocast computed it in lower precision."""
+    device_type = output.device.type
+    try:
+        autocast = torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # device types autocast does not know
+        autocast = False
+    if autocast and output.is_floating_point():
+        lowered = torch.get_autocast_dtype(device_type)
+        if torch.finfo(lowered).eps > torch.finfo(output.dtype).eps:
+            return lowered
+    return output.dtype
+
+
+def less_precise(first: torch.dtype, second: torch.dtype) -> torch.dtype:
     if not (first.is_floating_point and second.is_floating_point):
         return first
     return first if torch.finfo(first).eps >= torch.finfo(second).eps else second
@@ -127,7 +150,7 @@ def measure_error(
     tensors'). Runs without recording a graph, in a handful of kernels and one host sync (two when
     a NaN or inf shows up), since the assertion mode calls it on every checked attention call.
     """
-    dtype = dtype or _less_precise(actual.dtype, expected.dtype)
+    dtype = dtype or less_precise(actual.dtype, expected.dtype)
     shape = tuple(expected.shape)
     with torch.no_grad():
         if actual.shape != expected.shape:
@@ -146,6 +169,8 @@ def measure_error(
         max_abs, flat_index = difference.reshape(-1).max(dim=0)
         magnitude = e.abs()
         magnitude = (magnitude.real if compute.is_complex else magnitude).nan_to_num_(nan=0.0, posinf=0.0)
+        if not compute.is_complex:
+            magnitude.masked_fill_(e <= SENTINEL, 0.0)  # mask fills: compared, but never the scale
         # One host sync for all three numbers (float64 holds any index below 2**53 exactly).
         max_abs, index, scale = torch.stack([max_abs.double(), flat_index.double(), magnitude.max().double()]).tolist()
         note = "NaN or inf on one side only" if max_abs == float("inf") else ""
@@ -166,6 +191,8 @@ def _scale(tensor: Tensor) -> float:
     magnitude = tensor.abs() if tensor.is_floating_point() or tensor.is_complex() else tensor.double().abs()
     if magnitude.is_complex():
         magnitude = magnitude.real
+    elif tensor.is_floating_point():
+        magnitude = magnitude.masked_fill(tensor <= SENTINEL, 0.0)
     return float(magnitude.nan_to_num(nan=0.0, posinf=0.0).max())
 
 

@@ -62,6 +62,7 @@ from ._measure import (
     format_indices,
     measure_error,
     permute,
+    tolerance_dtype,
 )
 from ._model_mode import CALLS as MODEL_CALLS
 from ._model_mode import ModelCheck, check_dim, check_model_options
@@ -427,7 +428,7 @@ class _AttentionCheck:
         output, weights = self._attend(permute_queries, permute_keys)
         reference_output, reference_weights = reference
         rows = self.query_permutation if permute_queries else None
-        dtype = _tolerance_dtype(reference_output)
+        dtype = tolerance_dtype(reference_output)
         expected = reference_output if rows is None else permute(reference_output, (self.axis,), rows)
         errors = [measure_error("output", output, expected, (self.axis,) if rows is not None else (), dtype)]
         if reference_weights is not None and weights is not None:
@@ -519,20 +520,6 @@ def reset(environment: str | None = None) -> None:
 def _next_seed() -> int:
     with _LOCK:
         return int(torch.randint(0, 2**31 - 2, (1,), generator=_SEEDS))
-
-
-def _tolerance_dtype(output: Tensor) -> torch.dtype:
-    """The output's dtype, or the autocast dtype when autocast computed it in lower precision."""
-    device_type = output.device.type
-    try:
-        autocast = torch.is_autocast_enabled(device_type)
-    except (TypeError, RuntimeError):  # device types autocast does not know
-        autocast = False
-    if autocast and output.is_floating_point():
-        lowered = torch.get_autocast_dtype(device_type)
-        if torch.finfo(lowered).eps > torch.finfo(output.dtype).eps:
-            return lowered
-    return output.dtype
 
 
 def _label(module: nn.Module) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -216,11 +217,28 @@ def _submodule_culprit_lines(culprit: Culprit, tolerance: float | None) -> list[
             "tokens while its other inputs did (a causal mask, a padding or position input held fixed): it is "
             "not permutation-equivariant, or it must be permuted with the tokens"
         )
+    elif _is_slims_own(call):
+        lines.append(
+            "    slim's attention is permutation-equivariant in what it is given (the per-call mode checks each "
+            "call), so the break comes in with its inputs as the model hands them over: masks must move with "
+            "the tokens, an (L, L) attn_mask on both axes (dim (0, 1), or (1, 2) for (B*H, L, L)), a padding "
+            "mask along its tokens; check dim for the model's mask inputs"
+        )
     elif culprit.after_submodules:
         lines.append(f"    its own submodule calls kept it: the break is in {culprit.code}{_at(culprit.location)}")
     elif culprit.code:
         lines.append(f"    it calls no submodule: the break is in its own code, {culprit.code}{_at(culprit.location)}")
     return lines
+
+
+# slim_mha's own code: a break located there is what a user's input made of it, never slim's.
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _is_slims_own(call: SubmoduleCheck) -> bool:
+    """Whether ``call``'s module runs slim_mha's own ``forward`` (its attention, its encoder layer)."""
+    site = call.forward
+    return site is not None and os.path.abspath(site.filename).startswith(_OWN_CODE + os.sep)
 
 
 def _calls(count: int) -> str:
