@@ -6,9 +6,8 @@ user's methods, and never changes the eager model.
 
 TorchScript cannot compile slim's Python ``forward``, so a slim module's ``__prepare_scriptable__``
 hands torch a module of stock's class holding the same parameters, submodules and hooks
-(:func:`prepare_scriptable`). A user's subclass of a slim class (a class defined while patched
-derives from slim) becomes the same subclass with stock's class in slim's place, so its own methods
-are the ones compiled.
+(:func:`prepare_scriptable`). A user's subclass of a slim class becomes the same subclass with
+stock's class in slim's place, so its own methods are the ones compiled.
 
 torch puts whatever ``__prepare_scriptable__`` returns into the parent's ``_modules`` in place, which
 would leave the user's eager model holding stock modules after scripting. So scripting a tree that

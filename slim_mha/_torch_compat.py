@@ -80,7 +80,7 @@ def is_symbolic_call(query: object) -> bool:
     )
 
 
-def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy | None:
+def fx_proxy_of(module: nn.Module, query: object, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
     """Under ``torch.fx`` symbolic tracing, the node a leaf module would be: a call of ``module``.
 
     fx's tracer treats stock's class as a leaf (it lives in ``torch.nn``) and calls into any other
@@ -93,7 +93,10 @@ def fx_proxy_of(module: nn.Module, query: object, args: tuple) -> torch.fx.Proxy
     tracer = query.tracer
     if not isinstance(tracer, torch.fx.Tracer):  # a proxy of another tracer: no module paths to record
         raise TypeError(f"slim_mha: a torch.fx Proxy of a {type(tracer).__name__}, which names no modules")
-    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
+    path = tracer.path_of_module(module)
+    if path == "":  # the traced root itself: stock's forward branches on its proxies here, which fx refuses
+        bool(query)  # raises fx's own TraceError, as stock's first branch does
+    return tracer.create_proxy("call_module", path, args, kwargs)
 
 
 def stock_head_split(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import cast
 
 import torch
@@ -152,37 +153,44 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             result = getattr(self, _RUNS[path])(call)
         else:
             discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
-            result = self._general_with_options(call, discarded)
+            result = self._slim_general_with_options(call, discarded)
         # The check follows whatever path ran, so that checking changes no output, not even its last bits.
         if (self.check_equivariance or _equivariance.SWITCH.active) and path != "traced":
             if not is_capturing_or_transforming():
                 _equivariance.check_call(self, result, call)
         return result
 
-    def _recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """The call with every head's weights, on the path it takes with weights, handed to the open
         ``recording_attention`` blocks; returns what the caller asked for."""
-        return inspection.record_call(self, self._unrecorded, self._slim_maps, call)
+        return inspection.record_call(self, self._slim_unrecorded, self._slim_maps, call)
 
-    def _unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         path, _ = choose_path(self, call, recording=False)
-        return getattr(self, _RUNS[path])(call) if path != "general" else self._general_with_options(call, False)
+        return getattr(self, _RUNS[path])(call) if path != "general" else self._slim_general_with_options(call, False)
 
     def _slim_maps(self, call: AttentionCall) -> Tensor:
         """Every head's attention probabilities for ``call``, ``(B, H, L, S)`` (unbatched: ``(H, L, S)``),
         computed beside it: without dropout, a graph or a random draw (``recording_attention``)."""
         with torch.no_grad():
-            weights = self._general(call._replace(need_weights=True, average_attn_weights=False), dropout_p=0.0)[1]
+            weights = self._slim_general(call._replace(need_weights=True, average_attn_weights=False), dropout_p=0.0)[1]
         return cast(Tensor, weights)
 
-    def _traced(self, call: AttentionCall):
-        return fx_proxy_of(self, call.query, tuple(call))  # fx records the call, as stock's
+    def _slim_traced(self, call: AttentionCall):
+        # fx records the call as a caller writes it for stock: query, key and value, then the keywords
+        # whose values differ from stock's defaults
+        keywords = {
+            name: value
+            for name, value in call._asdict().items()
+            if name in _STOCK_DEFAULTS and value is not _STOCK_DEFAULTS[name]
+        }
+        return fx_proxy_of(self, call.query, tuple(call[:3]), keywords)
 
-    def _stock_forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """Stock's own ``forward``: nested tensors, which only stock's native kernel takes."""
         return super().forward(*call)
 
-    def _stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks,
         called as stock's fast path calls it (a sequence-first query goes in as a transposed view,
         its output comes back in stock's layout)."""
@@ -201,7 +209,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             out = out.transpose(0, 1).contiguous()
         return out, weights
 
-    def _stock_ops(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_ops(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """Stock's Python path with weights and without masks, given ``[b_q; 0; b_v]``: its products,
         softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
         ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
@@ -225,15 +233,15 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             weights = weights.mean(dim=1)
         return (out.transpose(1, 0) if self.batch_first else out), weights
 
-    def _general_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
+    def _slim_general_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with weights skipped where the caller provably discards them."""
         drop_weights = False
         if weights_discarded:
             call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
-        result = self._general(call)
+        result = self._slim_general(call)
         return (result[0], None) if drop_weights else result
 
-    def _sdpa(self, call: AttentionCall) -> tuple[Tensor, None]:
+    def _slim_sdpa(self, call: AttentionCall) -> tuple[Tensor, None]:
         """The general path's ops for plain self-attention without weights, nothing else."""
         query = call.query
         projected = F.linear(query, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias))
@@ -247,7 +255,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
-    def _general(self, call: AttentionCall, dropout_p: float | None = None) -> tuple[Tensor, Tensor | None]:
+    def _slim_general(self, call: AttentionCall, dropout_p: float | None = None) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, top to bottom: stock's checks before its projections, the projections
         without the key bias, the appended tokens, the masks' shapes, the kernel (SDPA, or the
         explicit one where weights are asked for), the heads merged in stock's layout, the output
@@ -263,10 +271,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         one_pass = need_weights and dropout_p == 0.0 and not (symbolic or prepared.weights_graph)
         heads = None  # stock's native kernel's own head split, where it applies: one op for all three
         if one_pass and prepared.batch_first and prepared.fused == "qkv":
-            heads = stock_head_split(prepared.query, self.in_proj_weight, self._packed_bias(symbolic=False), H)
-        q, k, v = heads if heads is not None else self._project(prepared, one_pass, symbolic)  # (B, H, len, D)
+            heads = stock_head_split(prepared.query, self.in_proj_weight, self._slim_packed_bias(symbolic=False), H)
+        q, k, v = heads if heads is not None else self._slim_project(prepared, one_pass, symbolic)  # (B, H, len, D)
         del heads  # q, k and v alone hold the projections: they go before the output projection
-        k, v = self._append_tokens(k, v)  # (B, H, S + appended, D)
+        k, v = self._slim_append_tokens(k, v)  # (B, H, S + appended, D)
         mask = attention_mask(self, prepared)  # the masks' shapes, checked after the projections as stock's
 
         if need_weights:
@@ -316,7 +324,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     # --------------------------------------------------------------------------------- the steps
 
-    def _packed_bias(self, *, symbolic: bool) -> Tensor | None:
+    def _slim_packed_bias(self, *, symbolic: bool) -> Tensor | None:
         """``[b_q; 0; b_v]``, the bias of a fused projection: the key's rows never reach a sum. One op
         in eager calls; under traces and transforms from pieces whose graph holds no constant."""
         bias = self.in_proj_bias
@@ -324,7 +332,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             return without_key_bias(bias, self.embed_dim)
         return without_key_bias_eager(bias)
 
-    def _project(self, prepared: PreparedCall, one_pass: bool, symbolic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _slim_project(self, prepared: PreparedCall, one_pass: bool, symbolic: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Input projections without the key bias, fused as stock fuses them: q, k and v ``(B, H, len, D)``.
 
         Views of the projections, except in ``one_pass`` (weights without dropout, a graph or a trace):
@@ -351,7 +359,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # value, and its conversion back to int lands at different places in the two traces.
         if prepared.fused == "qkv":  # self-attention: one matmul
             q, k, v = split_heads(
-                project(query, weight, self._packed_bias(symbolic=symbolic)), 3, H, batch_first, contiguous=one_pass
+                project(query, weight, self._slim_packed_bias(symbolic=symbolic)),
+                3,
+                H,
+                batch_first,
+                contiguous=one_pass,
             )
             if one_pass:  # the copy is ours: the queries scaled in place, as stock's head split scales them
                 q.mul_(query_scale(q.shape[-1]))
@@ -360,7 +372,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # each slice's backward zero-fills a gradient of the whole parameter and adds into it.
         if prepared.fused == "kv":  # encoder-decoder attention: one matmul for keys and values
             w_q, w_kv = weight.split_with_sizes((E, 2 * E))
-            packed = self._packed_bias(symbolic=symbolic)
+            packed = self._slim_packed_bias(symbolic=symbolic)
             b_q, kv_bias = packed.split_with_sizes((E, 2 * E)) if packed is not None else (None, None)
             del packed
             q = queries(project(query, w_q, b_q))
@@ -378,7 +390,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         (v,) = split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
         return q, k, v
 
-    def _append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def _slim_append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
 
         Stock's projected keys carry ``b_k`` and its appended keys do not; ours carry none, so each
@@ -415,14 +427,21 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
+# Stock's forward's keyword defaults (None, True, False: compared by identity), read off its signature.
+_STOCK_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(STOCK_MHA.forward).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
+
 # The method that runs each path that choose_path names ("general", with slim's options, runs in forward).
 _RUNS = {
-    "traced": "_traced",
-    "nested": "_stock_forward",
-    "recorded": "_recorded",
-    "stock kernel": "_stock_kernel",
-    "stock ops": "_stock_ops",
-    "sdpa": "_sdpa",
+    "traced": "_slim_traced",
+    "nested": "_slim_stock_forward",
+    "recorded": "_slim_recorded",
+    "stock kernel": "_slim_stock_kernel",
+    "stock ops": "_slim_stock_ops",
+    "sdpa": "_slim_sdpa",
 }
 
 

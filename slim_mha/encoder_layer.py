@@ -28,6 +28,7 @@ dropped, so the layer returns what stock's returns.
 from __future__ import annotations
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -58,6 +59,8 @@ def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key
     * ``"stock fused layer"``: stock's ``forward``, which hands the call to its fused kernel;
     * ``"slim layer"``: what the fused kernel computes, with slim's attention in its place.
     """
+    if isinstance(src, torch.fx.Proxy):  # fx traces stock's forward, as it traces stock's layer
+        return "stock layer", "torch.fx symbolic tracing"
     why = why_stock_layer_is_not_fused(layer, src, src_mask, src_key_padding_mask)
     if why:
         return "stock layer", why

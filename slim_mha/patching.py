@@ -1,43 +1,43 @@
-"""Make ``torch.nn.MultiheadAttention`` build slim modules: ``patch``, ``unpatch``, ``patched``, ``is_patched``.
+"""Make torch's ``nn.MultiheadAttention`` build slim modules: ``patch``, ``unpatch``, ``patched``, ``is_patched``.
 
-While patched, the name ``MultiheadAttention`` in ``torch.nn``, ``torch.nn.modules``,
-``torch.nn.modules.activation``, ``torch.nn.modules.transformer`` and in every other imported module
-that bound the stock class under that name (``from torch.nn import MultiheadAttention``) refers to
-:class:`PatchedMultiheadAttention`, a :class:`~slim_mha.SlimMultiheadAttention`. So does every module
-``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` build.
-
-``TransformerEncoderLayer`` is rebound the same way, to :class:`PatchedTransformerEncoderLayer`: stock's
+**By construction, not by names.** While patched, constructing torch's own class with arguments
+returns a :class:`PatchedMultiheadAttention`, a :class:`~slim_mha.SlimMultiheadAttention`: through
+``torch.nn.MultiheadAttention``, an alias bound before ``patch()``, a name imported inside a
+``patched()`` block, and every module ``nn.TransformerDecoderLayer`` and ``nn.Transformer`` build.
+``nn.TransformerEncoderLayer`` builds :class:`PatchedTransformerEncoderLayer` the same way: stock's
 layer hands its inference calls to a fused kernel that never calls the attention module, and slim's
 layer decides per call whether that kernel or slim's attention runs
-(:func:`slim_mha.encoder_layer.layer_path`). Everything below holds for both names.
+(:func:`slim_mha.encoder_layer.layer_path`).
 
-What is and is not replaced:
+Every name stays bound to torch's class, so nothing else notices the patch:
 
-* Only module-level bindings named ``MultiheadAttention`` that hold the stock class. Aliases
-  (``StockMHA = nn.MultiheadAttention``) are left alone, so code can keep a deliberate reference to
-  stock; so are slim_mha's own modules, which compare against stock on purpose.
-* ``unpatch`` puts the stock class back exactly where ``patch`` put ours, and only where ours is
-  still bound: a name someone re-bound in the meantime is theirs.
+* ``isinstance`` holds both ways with no metaclass: the patched classes subclass stock's, and
+  ``torch.nn.MultiheadAttention`` is stock's class before, during and after patching.
+* Base-class calls by name (``nn.MultiheadAttention.forward(self, ...)``) reach stock's methods.
+* A class that subclasses ``nn.MultiheadAttention`` is the user's, with stock's base, whenever it is
+  defined: it builds what it builds unpatched (a metaclass of its own combines as with stock's).
+* Stock modules pickle as they do unpatched. A patched module pickles under stock's name, with
+  stock's state (slim's options left out): the file loads as stock's class where slim_mha is absent
+  or not patched (``torch.load(weights_only=True)`` with stock's classes allow-listed too), and as
+  the patched class in a patched process. ``copy`` and ``deepcopy`` keep the patched class
+  (``nn.TransformerEncoder`` clones its layer so). A folded value bias, which stock cannot
+  represent, refuses to pickle. :class:`~slim_mha.SlimMultiheadAttention` imported directly
+  pickles under its own name.
+* Exact-type checks (``type(m) is nn.MultiheadAttention``) do see another class: run
+  :func:`slim_mha.to_stock` before handing a model to such code.
 
-``isinstance`` keeps working in every direction (tested in ``tests/test_patching.py``):
-
-* Slim modules, patched or not, are instances of stock ``nn.MultiheadAttention`` (a subclass), so
-  they pass ``isinstance`` against the stock class before, during and after patching, including
-  references to it captured before ``patch()``.
-* While patched, ``torch.nn.MultiheadAttention`` names :class:`PatchedMultiheadAttention`, whose
-  metaclass also accepts stock instances: ``isinstance(stock_built_before_patch,
-  torch.nn.MultiheadAttention)`` stays ``True``, and so does ``issubclass``. Only that one class
-  widens its checks; subclasses of it, and :class:`~slim_mha.SlimMultiheadAttention` itself, keep
-  the ordinary rules.
-* Exact-type checks (``type(m) is nn.MultiheadAttention``, dictionaries keyed by type such as the
-  ``torch.ao.quantization`` mappings) do see a different class: run :func:`slim_mha.to_stock` before
-  handing a model to such code.
-* A class that subclasses ``nn.MultiheadAttention`` while patched derives from slim, for good.
+How: the first patch gives each stock class a ``__new__`` that returns the patched class's instance
+when that exact class is constructed with arguments while the patch is held, and ``object``'s
+otherwise; Python then runs the patched class's ``__init__``. Copy, deepcopy and unpickling call
+``__new__`` without arguments, so they keep their class. The ``__new__`` stays installed after
+``unpatch()``, gated on the patch (on CPython 3.11, deleting it left a slot that passed the
+constructor's arguments on to ``object.__new__``). Another library's ``__new__`` on a stock class, or
+another class bound to torch's names, refuses the patch.
 
 Patching is reference counted and guarded by one lock, so it is thread-safe and composes:
 ``patch()`` holds the patch until ``unpatch()``, each open ``with patched():`` block holds it until
-the block exits, and the stock class comes back when nothing holds it. ``patch()`` and
-``unpatch()`` are idempotent.
+the block exits, and stock's classes build stock modules again when nothing holds it. ``patch()``
+and ``unpatch()`` are idempotent.
 
 ``skip_unread_weights`` (see :class:`~slim_mha.SlimMultiheadAttention`): ``patch()`` and ``patched()``
 take it too, as the default for modules built while patched that do not pass it themselves. The
@@ -48,94 +48,115 @@ it alone; with no value anywhere it is off. Like the patch itself, it is process
 
 from __future__ import annotations
 
-import abc
+import copy
 import functools
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import cast
 
+from torch import nn
+
+from ._swap import SLIM_ATTRIBUTES, refuse_folded_value_bias
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention
 from .encoder_layer import SlimTransformerEncoderLayer
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "PatchedMultiheadAttention", "PatchedTransformerEncoderLayer"]
 
-_OWN_PACKAGE = __name__.partition(".")[0]
 
+class _StockNamed:
+    """The one owner of a patched class's copy and pickle hooks:
 
-class _AcceptsStockInstances(abc.ABCMeta):
-    """Metaclass of :class:`PatchedMultiheadAttention`: stock instances and subclasses pass its checks.
+    ====================  ==========================  ==================================================
+    hook                  called by                   does
+    ====================  ==========================  ==================================================
+    ``__reduce_ex__``     pickle, ``torch.save``      stock's class called by name on the meta device
+                                                      (no memory, no random draw), then stock's state
+                                                      (slim's options left out; a folded value bias
+                                                      refused)
+    ``__copy__``          ``copy.copy``               the same class, the state shared
+    ``__deepcopy__``      ``copy.deepcopy``           the same class, the state deep-copied
+                          (``nn.TransformerEncoder``
+                          clones so)
+    ====================  ==========================  ==================================================
 
-    It derives from ``abc.ABCMeta`` so that a user's class may mix the patched classes with
-    ``abc.ABC``, as stock's accept (a metaclass of its own beside ``ABCMeta`` would conflict). It
-    keeps ``ABCMeta``'s rules (``register``, abstract methods), which stock's subclasses get from
-    ``abc.ABC`` alone.
-
-    While patched, ``torch.nn.MultiheadAttention`` *is* the patched class, so without this a stock
-    module built before ``patch()`` would fail ``isinstance(m, torch.nn.MultiheadAttention)``. Only
-    the installed class widens its checks (tested through ``cls.__dict__``, which subclasses do
-    not share), so a user's subclass of it does not claim stock modules.
+    Why a call and not ``NEWOBJ``: pickle writes ``NEWOBJ`` only for an object's own class. A call
+    of stock's class with arguments loads as stock where slim_mha is absent or not patched (also
+    under ``torch.load(weights_only=True)`` with stock's classes allow-listed), and goes through the
+    redirect in a patched process, which builds slim. Only the patched classes themselves reduce
+    under stock's name; a subclass of them pickles as its own class. The state is
+    ``__getstate__``'s, so a module that refuses to pickle (a parametrized one) still refuses.
     """
 
-    def __instancecheck__(cls, instance) -> bool:
-        if super().__instancecheck__(instance):
-            return True
-        stock = cls.__dict__.get("_accepts_stock")
-        return stock is not None and isinstance(instance, stock)
+    _scripted_as: type
 
-    def __subclasscheck__(cls, subclass) -> bool:
-        if super().__subclasscheck__(subclass):
-            return True
-        stock = cls.__dict__.get("_accepts_stock")
-        return stock is not None and issubclass(subclass, stock)
+    def __reduce_ex__(self, protocol):
+        if type(self) not in _PATCHED_CLASSES:
+            return super().__reduce_ex__(protocol)
+        module = cast(nn.Module, self)
+        refuse_folded_value_bias(module, "(this module)", "pickle")
+        state = {name: value for name, value in module.__getstate__().items() if name not in SLIM_ATTRIBUTES}
+        return self._scripted_as, self._stock_arguments(), state
+
+    def _stock_arguments(self) -> tuple:
+        """Stock's constructor's positional arguments, enough to build a stand-in on the meta device
+        that the pickled state then replaces whole (``device`` is the tenth in both classes)."""
+        raise NotImplementedError
+
+    def __copy__(self):
+        copied = cast(nn.Module, object.__new__(type(self)))
+        copied.__setstate__(dict(self.__dict__))
+        return copied
+
+    def __deepcopy__(self, memo):
+        copied = cast(nn.Module, object.__new__(type(self)))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
 
 
-class PatchedMultiheadAttention(SlimMultiheadAttention, metaclass=_AcceptsStockInstances):
-    """The class ``patch()`` installs as ``torch.nn.MultiheadAttention``: slim, and ``isinstance``-wide.
+class PatchedMultiheadAttention(_StockNamed, SlimMultiheadAttention):
+    """What torch's ``nn.MultiheadAttention(...)`` builds while patched: slim, pickled under stock's name.
 
     Behaves exactly as :class:`~slim_mha.SlimMultiheadAttention` (same constructor, state dict and
-    ``forward``); its only difference is that stock ``nn.MultiheadAttention`` instances and
-    subclasses pass ``isinstance``/``issubclass`` against it. Instances pickle by reference to this
-    class, so loading them needs slim_mha importable, not patched.
+    ``forward``); it takes the patch's ``skip_unread_weights`` default, and pickles as stock's class.
     """
 
-    _accepts_stock = STOCK_MHA
     _scripted_as = STOCK_MHA
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("skip_unread_weights", _skip_unread_weights_while_patched())
         super().__init__(*args, **kwargs)
 
+    def _stock_arguments(self) -> tuple:
+        # embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device
+        return self.embed_dim, self.num_heads, 0.0, True, False, False, None, None, False, "meta"
+
 
 # help() and inspect.signature show slim's constructor, whose arguments this one passes on.
 functools.update_wrapper(PatchedMultiheadAttention.__init__, SlimMultiheadAttention.__init__)
 
 
-class PatchedTransformerEncoderLayer(SlimTransformerEncoderLayer, metaclass=_AcceptsStockInstances):
-    """The class ``patch()`` installs as ``torch.nn.TransformerEncoderLayer``: slim's layer, ``isinstance``-wide.
+class PatchedTransformerEncoderLayer(_StockNamed, SlimTransformerEncoderLayer):
+    """What torch's ``nn.TransformerEncoderLayer(...)`` builds while patched: slim's layer, pickled
+    under stock's name."""
 
-    ``nn.TransformerEncoder`` checks its layer with ``isinstance(layer, torch.nn.TransformerEncoderLayer)``
-    before it lets the layers take nested tensors: a stock layer passes it while patched too.
-    """
-
-    _accepts_stock = STOCK_ENCODER_LAYER
     _scripted_as = STOCK_ENCODER_LAYER
 
+    def _stock_arguments(self) -> tuple:
+        # d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias, device
+        return self.self_attn.embed_dim, self.self_attn.num_heads, 2048, 0.1, "relu", 1e-5, False, False, True, "meta"
 
-# Each name patching rebinds: torch's class, ours, and the modules that must hold torch's class for
-# the patch to mean anything (the scan of sys.modules finds the rest).
-_BINDINGS = {
-    "MultiheadAttention": (
-        STOCK_MHA,
-        PatchedMultiheadAttention,
-        ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation", "torch.nn.modules.transformer"),
-    ),
-    "TransformerEncoderLayer": (
-        STOCK_ENCODER_LAYER,
-        PatchedTransformerEncoderLayer,
-        ("torch.nn", "torch.nn.modules", "torch.nn.modules.transformer"),
-    ),
+
+# Stock's class -> what constructing it builds while patched.
+_REDIRECTS = {STOCK_MHA: PatchedMultiheadAttention, STOCK_ENCODER_LAYER: PatchedTransformerEncoderLayer}
+_PATCHED_CLASSES = frozenset(_REDIRECTS.values())
+# The names that must hold torch's classes for a patch of them to mean anything.
+_REQUIRED_NAMES = {
+    STOCK_MHA: ("torch.nn", "torch.nn.modules", "torch.nn.modules.activation", "torch.nn.modules.transformer"),
+    STOCK_ENCODER_LAYER: ("torch.nn", "torch.nn.modules", "torch.nn.modules.transformer"),
 }
 
 
@@ -145,7 +166,7 @@ class _PatchState:
     def __init__(self) -> None:
         self.held_by_patch_call = False
         self.open_blocks = 0
-        self.replaced: list[tuple[dict, str]] = []  # (module namespace, name) now bound to ours
+        self.active = False  # read by the redirect without the lock: one attribute read
         self.skip_requests: list[tuple[object, bool]] = []  # (holder, skip_unread_weights), oldest first
 
     def request_skip(self, holder: object, skip_unread_weights: bool | None) -> None:
@@ -163,7 +184,7 @@ class _PatchState:
 
     @property
     def installed(self) -> bool:
-        return bool(self.replaced)
+        return self.active
 
 
 _LOCK = threading.RLock()
@@ -254,58 +275,46 @@ def is_patched() -> bool:
 
 
 def _apply(state: _PatchState) -> None:
-    """Install or restore so that the bindings match who holds the patch."""
-    if state.wanted and not state.installed:
-        state.replaced = _install()
-    elif not state.wanted and state.installed:
-        _restore(state.replaced)
-        state.replaced = []
+    """Switch the redirect on or off so that it matches who holds the patch."""
+    if state.wanted and not state.active:
+        _check_torch_holds_stock()
+        for stock, ours in _REDIRECTS.items():
+            _install_redirect(stock, ours)
+        state.active = True
+    elif not state.wanted and state.active:
+        state.active = False
 
 
-def _install() -> list[tuple[dict, str]]:
-    _check_torch_holds_stock()
-    replaced = []
-    for namespace in _module_namespaces():
-        for name, (stock, ours, _) in _BINDINGS.items():
-            if namespace.get(name) is stock:
-                namespace[name] = ours
-                replaced.append((namespace, name))
-    return replaced
+def _install_redirect(stock: type, ours: type) -> None:
+    """Give ``stock`` the ``__new__`` that builds ``ours`` while patched, once; it stays installed."""
+    current = stock.__dict__.get("__new__")
+    if isinstance(current, staticmethod) and getattr(current.__func__, "_slim_mha_builds", None) is ours:
+        return
 
+    def __new__(cls, *args, **kwargs):
+        if cls is stock and (args or kwargs) and _STATE.active:
+            return object.__new__(ours)
+        return object.__new__(cls)
 
-def _restore(replaced: list[tuple[dict, str]]) -> None:
-    for namespace, name in replaced:
-        stock, ours, _ = _BINDINGS[name]
-        if namespace.get(name) is ours:
-            namespace[name] = stock
+    __new__._slim_mha_builds = ours  # type: ignore[attr-defined]
+    stock.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
 
 
 def _check_torch_holds_stock() -> None:
-    # Checked before anything is replaced, so a refusal leaves every binding as it was.
-    for name, (stock, _, required) in _BINDINGS.items():
-        for module_name in required:
+    # Checked before anything is installed, so a refusal leaves torch as it was.
+    for stock, module_names in _REQUIRED_NAMES.items():
+        current = stock.__dict__.get("__new__")
+        if current is not None and getattr(getattr(current, "__func__", None), "_slim_mha_builds", None) is None:
+            raise RuntimeError(
+                f"slim_mha.patch(): torch's {stock.__name__} has a __new__ of another library's ({current!r}); "
+                "undo that patch first, or use slim_mha.convert(model) instead of patching"
+            )
+        for module_name in module_names:
             module = sys.modules.get(module_name)
-            bound = getattr(module, name, None) if module is not None else None
+            bound = getattr(module, stock.__name__, None) if module is not None else None
             if bound is not stock:
                 raise RuntimeError(
-                    f"slim_mha.patch(): {module_name}.{name} is {bound!r}, not torch's stock class; another "
-                    "library has patched it. Undo that patch first, or use slim_mha.convert(model) instead "
-                    "of patching"
+                    f"slim_mha.patch(): {module_name}.{stock.__name__} is {bound!r}, not torch's stock class; "
+                    "another library has patched it. Undo that patch first, or use slim_mha.convert(model) "
+                    "instead of patching"
                 )
-
-
-def _module_namespaces() -> Iterator[dict]:
-    """The ``__dict__`` of every imported module except our own, read defensively.
-
-    ``sys.modules`` is snapshotted first (imports in other threads may grow it) and may hold lazy
-    proxies that import, or raise, when their attributes are touched: those are skipped.
-    """
-    for module_name, module in list(sys.modules.items()):
-        if module_name == _OWN_PACKAGE or module_name.startswith(_OWN_PACKAGE + "."):
-            continue
-        try:
-            namespace = object.__getattribute__(module, "__dict__")
-        except Exception:  # not a module, or a proxy without a plain namespace
-            continue
-        if isinstance(namespace, dict):
-            yield namespace

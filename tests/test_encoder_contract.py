@@ -70,7 +70,10 @@ def layer_pair(variant: str) -> tuple[nn.Module, nn.Module]:
     if variant == "other activation":
         kwargs["activation"] = torch.tanh
 
-    def build(base: type) -> nn.Module:
+    def build(slim: bool) -> nn.Module:
+        # A user's subclass of slim's layer subclasses slim's class: a subclass of nn's, even one
+        # defined while patched, is the user's own on stock's base.
+        base = PatchedTransformerEncoderLayer if slim and variant == "gated subclass" else STOCK_ENCODER_LAYER
         cls = gated_class(base) if variant == "gated subclass" else base
         layer = cls(E, heads, **kwargs)
         if variant == "other eps":
@@ -78,12 +81,12 @@ def layer_pair(variant: str) -> tuple[nn.Module, nn.Module]:
         return layer
 
     torch.manual_seed(0)
-    stock = build(STOCK_ENCODER_LAYER)
+    stock = build(slim=False)
     for p in stock.parameters():
         with torch.no_grad():
             p.add_(0.3 * torch.randn_like(p))
     with slim_mha.patched():
-        slim = build(nn.TransformerEncoderLayer)
+        slim = build(slim=True)
     slim.load_state_dict(stock.state_dict())
     return stock.eval(), slim.eval()
 
@@ -338,7 +341,7 @@ def test_hooks_in_a_nested_encoder_see_what_stocks_hooks_see():
 @pytest.mark.parametrize("base", ["layer", "attention"])
 def test_the_patched_classes_accept_abc_mixins_as_stocks_do(base):
     with slim_mha.patched():
-        cls = nn.TransformerEncoderLayer if base == "layer" else nn.MultiheadAttention
+        cls = PatchedTransformerEncoderLayer if base == "layer" else PatchedMultiheadAttention
 
         class Mixed(cls, abc.ABC):
             pass
@@ -442,7 +445,7 @@ def test_scripting_a_subclass_compiles_the_users_methods(kind):
     make = doubled_layer_class if kind == "layer" else halved_attention_class
     stock_base = STOCK_ENCODER_LAYER if kind == "layer" else STOCK_MHA
     with slim_mha.patched():
-        slim_cls = make(nn.TransformerEncoderLayer if kind == "layer" else nn.MultiheadAttention)
+        slim_cls = make(PatchedTransformerEncoderLayer if kind == "layer" else PatchedMultiheadAttention)
         module = slim_cls(E, H, batch_first=True).eval()
     assert isinstance(
         module, slim_mha.SlimMultiheadAttention if kind == "attention" else encoder_layer.SlimTransformerEncoderLayer
@@ -510,7 +513,7 @@ def test_a_subclass_that_cannot_be_rebuilt_on_stock_names_its_class():
 
     with slim_mha.patched():
 
-        class Picky(nn.MultiheadAttention, Once):
+        class Picky(PatchedMultiheadAttention, Once):
             pass
 
     from slim_mha._swap import _counterpart_of

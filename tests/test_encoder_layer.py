@@ -179,17 +179,17 @@ def test_calls_stock_runs_unfused_stay_stocks_own(case, slim_always, calls):
     assert calls == {"attention": 2, "fused": 0}  # stock's general path, through slim's attention
 
 
-def test_unpatch_restores_stock_exactly():
+def test_the_patch_renames_nothing_and_unpatch_builds_stock_again():
     names = ("torch.nn", "torch.nn.modules", "torch.nn.modules.transformer")
     import sys
 
     with slim_mha.patched():
         for name in names:
-            assert sys.modules[name].TransformerEncoderLayer is slim_mha.patching.PatchedTransformerEncoderLayer
+            assert sys.modules[name].TransformerEncoderLayer is STOCK_ENCODER_LAYER
         built = nn.TransformerEncoderLayer(E, H, FF, batch_first=True)
-    for name in names:
-        assert sys.modules[name].TransformerEncoderLayer is STOCK_ENCODER_LAYER
+    assert type(built) is slim_mha.patching.PatchedTransformerEncoderLayer
     assert isinstance(built, STOCK_ENCODER_LAYER)
+    assert type(nn.TransformerEncoderLayer(E, H, FF, batch_first=True)) is STOCK_ENCODER_LAYER
 
 
 def test_a_stock_layer_given_to_a_patched_encoder_keeps_nested_tensors():

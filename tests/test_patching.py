@@ -35,7 +35,8 @@ def no_patch_leaks():
     unpatch()
     assert not leaked, "test left torch patched"
     for name in TORCH_NAMESPACES:
-        assert sys.modules[name].MultiheadAttention is STOCK_MHA, f"{name} not restored"
+        assert sys.modules[name].MultiheadAttention is STOCK_MHA, f"{name} rebound"
+    assert type(STOCK_MHA(8, 2)) is STOCK_MHA
 
 
 @pytest.fixture
@@ -60,18 +61,18 @@ def bound_classes() -> dict[str, type]:
 # ------------------------------------------------------------------------------ what is replaced
 
 
-def test_patch_replaces_torch_names_and_prior_imports(graph_library):
+def test_every_name_stays_torchs_and_every_name_builds_slim_while_patched(graph_library):
+    """Construction is redirected, names are not: an import by name, an alias bound before patch()
+    and torch's own names all build slim while patched, and stock after."""
     patch()
     assert is_patched()
-    assert set(bound_classes().values()) == {PatchedMultiheadAttention}
-    assert graph_library.MultiheadAttention is PatchedMultiheadAttention
-    assert isinstance(graph_library.build(), SlimMultiheadAttention)
-    assert graph_library.StockAttention is STOCK_MHA  # aliases are deliberate references: left alone
+    assert set(bound_classes().values()) == {STOCK_MHA}  # nothing rebound
+    assert graph_library.MultiheadAttention is STOCK_MHA and graph_library.StockAttention is STOCK_MHA
+    assert type(graph_library.build()) is PatchedMultiheadAttention
+    assert type(graph_library.StockAttention(8, 2)) is PatchedMultiheadAttention
     unpatch()
     assert not is_patched()
-    assert set(bound_classes().values()) == {STOCK_MHA}
-    assert graph_library.MultiheadAttention is STOCK_MHA
-    assert type(graph_library.build()) is STOCK_MHA
+    assert type(graph_library.build()) is STOCK_MHA and type(graph_library.StockAttention(8, 2)) is STOCK_MHA
 
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")
@@ -96,30 +97,22 @@ def test_everything_torch_builds_is_slim_while_patched(build):
 
 def test_patch_and_unpatch_are_idempotent(graph_library):
     unpatch()  # not patched: nothing to do
-    assert bound_classes() == dict.fromkeys(TORCH_NAMESPACES, STOCK_MHA)
+    assert type(graph_library.build()) is STOCK_MHA
     patch()
     patch()
-    assert is_patched() and graph_library.MultiheadAttention is PatchedMultiheadAttention
+    assert is_patched() and type(graph_library.build()) is PatchedMultiheadAttention
     unpatch()  # one unpatch undoes any number of patch() calls
-    assert not is_patched() and graph_library.MultiheadAttention is STOCK_MHA
+    assert not is_patched() and type(graph_library.build()) is STOCK_MHA
     unpatch()
     assert bound_classes() == dict.fromkeys(TORCH_NAMESPACES, STOCK_MHA)
 
 
-def test_unpatch_restores_only_what_patch_replaced(graph_library, monkeypatch):
-    class Theirs(nn.Module):
-        pass
-
-    patch()
-    graph_library.MultiheadAttention = Theirs  # re-bound by its owner while patched: now theirs
+def test_a_name_imported_inside_a_block_builds_stock_after_it(monkeypatch):
     late = types.ModuleType("imported_while_patched")
-    exec("from torch.nn import MultiheadAttention", late.__dict__)
-    monkeypatch.setitem(sys.modules, late.__name__, late)
-    unpatch()
-    assert graph_library.MultiheadAttention is Theirs
-    # Never replaced by patch(), so never restored: it bound our class itself (documented).
-    assert late.MultiheadAttention is PatchedMultiheadAttention
-    assert bound_classes() == dict.fromkeys(TORCH_NAMESPACES, STOCK_MHA)
+    with patched():
+        exec("from torch.nn import MultiheadAttention", late.__dict__)
+        assert type(late.MultiheadAttention(8, 2)) is PatchedMultiheadAttention
+    assert late.MultiheadAttention is STOCK_MHA and type(late.MultiheadAttention(8, 2)) is STOCK_MHA
 
 
 def test_patch_refuses_when_another_library_patched_torch(monkeypatch, graph_library):
@@ -133,16 +126,17 @@ def test_patch_refuses_when_another_library_patched_torch(monkeypatch, graph_lib
         with patched():
             pass
     assert not is_patched()
-    assert torch.nn.modules.activation.MultiheadAttention is STOCK_MHA  # nothing was half-replaced
-    assert graph_library.MultiheadAttention is STOCK_MHA
+    assert type(graph_library.build()) is STOCK_MHA  # nothing was half-installed
 
 
-def test_own_modules_keep_their_stock_references(monkeypatch):
-    own = types.ModuleType("slim_mha._stock_reference_for_test")
-    own.MultiheadAttention = STOCK_MHA
-    monkeypatch.setitem(sys.modules, own.__name__, own)
-    with patched():
-        assert own.MultiheadAttention is STOCK_MHA
+def test_patch_refuses_when_another_library_owns_stocks_constructor(monkeypatch):
+    def theirs(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    monkeypatch.setattr(STOCK_MHA, "__new__", staticmethod(theirs), raising=False)
+    with pytest.raises(RuntimeError, match=r"torch's MultiheadAttention has a __new__ of another library's"):
+        patch()
+    assert not is_patched()
 
 
 # ------------------------------------------------------------------------------ composition
@@ -229,6 +223,7 @@ def test_patching_is_thread_safe():
     assert not failures, failures[:3]
     assert not is_patched()
     assert bound_classes() == dict.fromkeys(TORCH_NAMESPACES, STOCK_MHA)
+    assert type(nn.MultiheadAttention(8, 2)) is STOCK_MHA
 
 
 # ------------------------------------------------------------------------------ isinstance
@@ -248,32 +243,37 @@ def test_isinstance_holds_for_modules_built_before_during_and_after_patching():
         assert issubclass(SlimMultiheadAttention, torch.nn.MultiheadAttention)
         assert not isinstance(nn.Linear(2, 2), torch.nn.MultiheadAttention)
         assert not issubclass(nn.Linear, torch.nn.MultiheadAttention)
-        assert type(stock_before) is not torch.nn.MultiheadAttention  # exact-type checks do differ
+        assert type(stock_before) is torch.nn.MultiheadAttention  # the name is stock's
+        assert type(built_while_patched) is not torch.nn.MultiheadAttention  # exact-type checks do differ
     stock_after = nn.MultiheadAttention(8, 2)
     for module in (*attention_modules, stock_after):
         assert isinstance(module, torch.nn.MultiheadAttention), type(module)
     assert type(stock_after) is STOCK_MHA
 
 
-def test_only_the_installed_class_accepts_stock_instances():
-    stock = STOCK_MHA(8, 2)
-    assert not isinstance(stock, SlimMultiheadAttention)
-    assert not issubclass(STOCK_MHA, SlimMultiheadAttention)
+def test_a_class_defined_while_patched_is_the_users_on_stocks_base():
+    """No metaclass of slim's: a user's metaclass combines, and the class builds what it builds unpatched."""
+
+    class Meta(type):
+        pass
+
     with patched():
 
-        class UserAttention(nn.MultiheadAttention):  # derives from the patched (slim) class
+        class UserAttention(nn.MultiheadAttention):
             pass
 
-    assert issubclass(UserAttention, SlimMultiheadAttention)
-    assert not isinstance(stock, UserAttention)
-    assert not issubclass(STOCK_MHA, UserAttention)
-    assert isinstance(UserAttention(8, 2), PatchedMultiheadAttention)
+        class WithMeta(nn.MultiheadAttention, metaclass=Meta):
+            pass
+
+        assert type(UserAttention(8, 2)) is UserAttention and type(WithMeta(8, 2)) is WithMeta
+    assert UserAttention.__bases__ == (STOCK_MHA,) and type(WithMeta) is Meta
+    assert not issubclass(UserAttention, SlimMultiheadAttention)
 
 
 # ------------------------------------------------------------------------------ the modules built
 
 
-def test_modules_built_while_patched_compute_stock_and_pickle_without_patch():
+def test_modules_built_while_patched_compute_stock_and_pickle_as_stock():
     torch.manual_seed(0)
     stock = randomize_parameters(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0))
     with patched():
@@ -285,7 +285,12 @@ def test_modules_built_while_patched_compute_stock_and_pickle_without_patch():
     buffer = io.BytesIO()
     torch.save(layer, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)  # unpatched here: the class pickles by reference
+    loaded = torch.load(buffer, weights_only=False)  # unpatched here: stock's classes
+    assert type(loaded) is type(stock) and type(loaded.self_attn) is STOCK_MHA
+    assert_close_scaled(loaded(x), stock(x))
+    buffer.seek(0)
+    with patched():  # in a patched process the same file builds slim
+        loaded = torch.load(buffer, weights_only=False)
     assert type(loaded.self_attn) is PatchedMultiheadAttention
     assert_close_scaled(loaded(x), stock(x))
 

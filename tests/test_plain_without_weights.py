@@ -1,7 +1,7 @@
 """Plain self-attention without weights: which calls take the short path, and every one against stock.
 
 Self-attention with ``need_weights=False``, without masks and without a graph, skips the general
-path's bookkeeping (``choose_path`` names it ``"sdpa"``, ``_sdpa`` runs it): one
+path's bookkeeping (``choose_path`` names it ``"sdpa"``, ``_slim_sdpa`` runs it): one
 input projection with ``[b_q; 0; b_v]``, SDPA and the output projection, the general path's own ops.
 Each test counts the short path's calls, so a call that silently changes path fails, and compares
 the result with stock ``nn.MultiheadAttention`` built from the same weights (and, where the short
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("slims_own_paths")
 @pytest.fixture
 def short_calls(monkeypatch) -> list:
     """Every call of the short path without weights, recorded."""
-    return recorded_calls(monkeypatch, SlimMultiheadAttention, "_sdpa")
+    return recorded_calls(monkeypatch, SlimMultiheadAttention, "_slim_sdpa")
 
 
 @contextlib.contextmanager

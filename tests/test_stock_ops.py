@@ -1,5 +1,5 @@
 """The "stock ops" path: small calls with weights and without masks run stock's Python path op for
-op, given ``[b_q; 0; b_v]`` (``choose_path`` names it, ``_stock_ops`` runs it).
+op, given ``[b_q; 0; b_v]`` (``choose_path`` names it, ``_slim_stock_ops`` runs it).
 
 Its claim is equality, not closeness: with the same bias, its outputs, weights, strides, random
 draws and gradients are those of ``F.multi_head_attention_forward``, bit for bit, over a seeded sweep

@@ -286,15 +286,15 @@ def test_recognised_site_returns_none_as_the_weights(monkeypatch):
     """Seen from inside: the tuple the discarding caller received had None as the weights."""
     _, slim = stock_and_slim()
     received = []
-    # A wrapper around forward would become the caller, so record below it, from _general.
-    original_attend = SlimMultiheadAttention._general
+    # A wrapper around forward would become the caller, so record below it, from _slim_general.
+    original_attend = SlimMultiheadAttention._slim_general
 
     def attend(self, *args):
         result = original_attend(self, *args)
         received.append(result[1])
         return result
 
-    monkeypatch.setattr(SlimMultiheadAttention, "_general", attend)
+    monkeypatch.setattr(SlimMultiheadAttention, "_slim_general", attend)
     q, k, v = tokens()
     site_subscript_zero(slim, q, k, v)
     site_unpack_underscore(slim, q, k, v)

@@ -418,7 +418,7 @@ class _AttentionCheck:
             if attn_mask is not None:
                 attn_mask = permute(attn_mask, (-1,), self.key_permutation)
         self.rewind()
-        return self.module._general(
+        return self.module._slim_general(
             AttentionCall(
                 query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
             )
