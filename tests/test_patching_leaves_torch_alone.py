@@ -81,6 +81,7 @@ _LOAD_WITHOUT_SLIM = textwrap.dedent(
         torch.serialization.add_safe_globals([
             nn.Sequential, nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.Linear, nn.LayerNorm,
             nn.Dropout, nn.modules.linear.NonDynamicallyQuantizableLinear, torch.nn.functional.relu,
+            set,  # a module's own state holds one; torch 2.4 does not allow it by default
         ])
     loaded = torch.load(io.BytesIO(data), weights_only=weights_only)
     torch.manual_seed(1)
