@@ -41,7 +41,7 @@ from .bias import (
     without_key_bias_eager,
 )
 from .equivariance import _mode as _equivariance
-from .paths import choose_path
+from .paths import PATHS_TAKEN, choose_path
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
 
@@ -148,7 +148,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         )
         path, why = choose_path(self, call)
         if inspection.EXPLAINING:
-            inspection.note(self, "attention", path, why)
+            inspection.note(self, "attention", path, why or PATHS_TAKEN[path])
         if path != "general":
             result = getattr(self, _RUNS[path])(call)
         else:
@@ -169,12 +169,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         path, _ = choose_path(self, call, recording=False)
         return getattr(self, _RUNS[path])(call) if path != "general" else self._slim_general_with_options(call, False)
 
-    def _slim_maps(self, call: AttentionCall) -> Tensor:
-        """Every head's attention probabilities for ``call``, ``(B, H, L, S)`` (unbatched: ``(H, L, S)``),
-        computed beside it: without dropout, a graph or a random draw (``recording_attention``)."""
+    def _slim_maps(self, call: AttentionCall, per_head: bool) -> Tensor:
+        """The attention probabilities of ``call``, every head's ``(B, H, L, S)`` or their average
+        ``(B, L, S)`` (unbatched: without ``B``), computed beside it: without dropout, a graph or a
+        random draw (``recording_attention``). Averaged, the weights path may work in blocks of rows."""
+        maps_call = call._replace(need_weights=True, average_attn_weights=not per_head)
         with torch.no_grad():
-            weights = self._slim_general(call._replace(need_weights=True, average_attn_weights=False), dropout_p=0.0)[1]
-        return cast(Tensor, weights)
+            return cast(Tensor, self._slim_general(maps_call, dropout_p=0.0)[1])
 
     def _slim_traced(self, call: AttentionCall):
         # fx records the call as a caller writes it for stock: query, key and value, then the keywords

@@ -18,7 +18,8 @@ and back: stock's layer runs a fused kernel in inference that never calls the at
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
@@ -36,6 +37,7 @@ from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention, slim_options
 from .bias import fold_value_bias_into_output
 from .encoder_layer import SlimTransformerEncoderLayer
+from .inspection import no_attention_here
 from .patching import PatchedMultiheadAttention, PatchedTransformerEncoderLayer
 
 __all__ = ["convert", "to_stock", "fold_value_bias"]
@@ -54,14 +56,51 @@ def convert(module: nn.Module, *, skip_unread_weights: bool = False) -> nn.Modul
     Returns:
         ``module``, or the new slim module when ``module`` itself is a stock attention module.
     """
+    _refuse_non_module(module, "convert")
     options = slim_options(skip_unread_weights=skip_unread_weights)
     _refuse_parametrized(module, STOCK_MHA, "nn.MultiheadAttention", "convert")
+    _warn_what_stays_stock(module)
     module = _swap_modules(module, _is_stock, lambda stock: rebuild_as(stock, SlimMultiheadAttention, **options))
     return _swap_modules(
         module,
         lambda child: type(child) is STOCK_ENCODER_LAYER,
         lambda layer: rebuild_as(layer, SlimTransformerEncoderLayer),
     )
+
+
+def _refuse_non_module(module: object, caller: str) -> None:
+    """A state dict, or anything else that is not a module, refused in one line that names the fix."""
+    if isinstance(module, Mapping):
+        raise TypeError(
+            f"{caller}: got a state dict (a mapping of names to tensors), not a model: build the model, "
+            f"load the weights with model.load_state_dict(state_dict), then {caller}(model); to migrate "
+            "a checkpoint file itself, use slim-mha-migrate"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller}: expected an nn.Module, got {type(module).__name__}")
+
+
+def _warn_what_stays_stock(module: nn.Module) -> None:
+    """One warning where ``convert`` leaves attention as it is: a model holding no
+    ``nn.MultiheadAttention`` (naming the attention classes it does hold), or subclasses of torch's
+    classes of the user's own, which may override what slim replaces."""
+    subclasses = [
+        f"{_describe(name)} ({type(child).__qualname__})"
+        for name, child in module.named_modules()
+        if isinstance(child, (STOCK_MHA, STOCK_ENCODER_LAYER))
+        and type(child) not in (STOCK_MHA, STOCK_ENCODER_LAYER)
+        and not isinstance(child, (SlimMultiheadAttention, SlimTransformerEncoderLayer))
+    ]
+    if subclasses:
+        warnings.warn(
+            f"convert: left as they are, subclasses of torch's attention classes of your own, which may "
+            f"override what slim replaces: {', '.join(subclasses[:8])}{' ...' if len(subclasses) > 8 else ''}; "
+            "to make one slim, derive it from slim_mha.SlimMultiheadAttention (or SlimTransformerEncoderLayer)",
+            UserWarning,
+            stacklevel=3,
+        )
+    if not any(isinstance(child, STOCK_MHA) for child in module.modules()):
+        warnings.warn(f"convert: {no_attention_here(module)}, so nothing was converted", UserWarning, stacklevel=3)
 
 
 def to_stock(module: nn.Module) -> nn.Module:
@@ -73,6 +112,7 @@ def to_stock(module: nn.Module) -> nn.Module:
     Returns:
         ``module``, or the new stock module when ``module`` itself is a slim attention module.
     """
+    _refuse_non_module(module, "to_stock")
     _refuse_parametrized(module, SlimMultiheadAttention, "slim attention module", "to_stock")
     for name, child in module.named_modules():  # all checked before anything is swapped
         if _is_slim(child):
@@ -109,6 +149,7 @@ def fold_value_bias(module: nn.Module) -> nn.Module:
     Returns:
         ``module``.
     """
+    _refuse_non_module(module, "fold_value_bias")
     _refuse_parametrized(module, SlimMultiheadAttention, "slim attention module", "fold_value_bias")
     to_fold = []
     for name, child in module.named_modules():

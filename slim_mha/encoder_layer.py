@@ -49,6 +49,12 @@ __all__ = ["SlimTransformerEncoderLayer", "layer_path", "FUSED_LAYER_MAX_LENGTH"
 FUSED_LAYER_MAX_LENGTH = {"no mask": 384, "mask": 96, "nested": 384}
 
 
+# What each path is, in the words explain prints where layer_path gives no reason.
+LAYER_PATHS_TAKEN = {
+    "slim layer": "what stock's fused kernel computes, with slim's attention in its place",
+}
+
+
 def layer_path(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> tuple[str, str]:
     """The path a call of ``layer`` takes, and why:
 
@@ -164,7 +170,7 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
     ) -> Tensor:
         path, why = layer_path(self, src, src_mask, src_key_padding_mask)
         if inspection.EXPLAINING:
-            inspection.note(self, "encoder layer", path, why)
+            inspection.note(self, "encoder layer", path, why or LAYER_PATHS_TAKEN[path])
         if path == "stock fused layer" and inspection.RECORDING and inspection.watched(self.self_attn):
             _record_beside_the_kernel(self, src, src_mask, src_key_padding_mask)
         if path == "unfused layer":
@@ -283,7 +289,10 @@ def _record_beside_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, sr
     )
     attention = layer.self_attn
     assert isinstance(attention, SlimMultiheadAttention)  # a recording block watches slim's alone
-    inspection.deliver(attention, attention._slim_maps(call))
+    if inspection.wants_every_head(attention):
+        inspection.deliver(attention, attention._slim_maps(call, per_head=True))
+    else:
+        inspection.deliver(attention, None, attention._slim_maps(call, per_head=False))
     if padding is not None:
         inspection.pad_rows(attention, padding)
 

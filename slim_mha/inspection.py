@@ -1,8 +1,9 @@
 """Seeing inside a model without editing it: :func:`recording_attention` hands over the attention
 maps of every slim attention call, and :func:`explain` says which path each call took, and why.
 
-Models call attention with ``need_weights=False`` (torchvision's ViT, ``nn.TransformerEncoderLayer``,
-open_clip), so the weights never exist and a user who wants them edits the model's code. A model
+Many models call attention with ``need_weights=False`` (``nn.TransformerEncoderLayer``, torchvision's
+ViT, open_clip; stock's own default is ``True``), so the weights never exist and a user who wants
+them edits the model's code. A model
 patched or converted with slim routes every attention call through slim's ``forward``, which asks
 :func:`slim_mha.paths.choose_path` for its path: while a recording block watches a module, that one
 owner of the choice names the path ``"recorded"``, and the call computes stock's weights on the path
@@ -155,6 +156,7 @@ class PathReport(list):
     def __init__(self, names: dict[int, str]) -> None:
         super().__init__()
         self.names = names
+        self.grad_enabled = torch.is_grad_enabled()  # explain runs in the caller's grad mode
 
     def census(self) -> dict[tuple[str, str, str], int]:
         """How many calls took each (kind, path, why)."""
@@ -169,7 +171,13 @@ class PathReport(list):
         rows = [header] + [(row.module, row.kind, row.path, row.why or "-") for row in self]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3] for row in rows]
-        return "\n".join([lines[0], "  ".join("-" * width for width in widths) + "  ---", *lines[1:]])
+        mode = (
+            "ran with grad enabled, as it was called: inference under torch.no_grad() or torch.inference_mode() "
+            "may take shorter paths; call explain inside one to see them"
+            if self.grad_enabled
+            else "ran without grad, as it was called"
+        )
+        return "\n".join([lines[0], "  ".join("-" * width for width in widths) + "  ---", *lines[1:], f"({mode})"])
 
 
 def note(module: nn.Module, kind: str, path: str, why: str) -> None:
@@ -210,12 +218,26 @@ def _slim_attention_names(model: nn.Module, caller: str) -> dict[int, str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: expected an nn.Module, got {type(model).__name__}")
     names = {id(m): name or "(the model)" for name, m in model.named_modules() if slim_stands_for(type(m)) is STOCK_MHA}
+    if not names and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        raise ValueError(f"{caller}: {no_attention_here(model)}, so there is nothing slim can see")
     if not names:
         raise ValueError(
             f"{caller}: {type(model).__name__} holds no slim attention module, so no call would reach slim; "
             "build it under slim_mha.patch() (or patched()), or run slim_mha.convert(model) first"
         )
     return names
+
+
+def no_attention_here(module: nn.Module) -> str:
+    """Words for a model holding no ``nn.MultiheadAttention``, naming the attention classes it holds."""
+    others = sorted(
+        {type(m).__qualname__ for m in module.modules() if m is not module and "attention" in type(m).__name__.lower()}
+    )
+    found = f" (its attention classes: {', '.join(others[:6])})" if others else ""
+    return (
+        f"{type(module).__name__} holds no nn.MultiheadAttention{found}; slim_mha replaces torch's "
+        "nn.MultiheadAttention alone, not attention classes of other libraries"
+    )
 
 
 @contextmanager
@@ -232,18 +254,29 @@ def _opened(registry: list, entry) -> Iterator[None]:
 
 def record_call(module: nn.Module, run, maps_of, call) -> tuple[Tensor, Tensor | None]:
     """Run ``call`` through ``run`` as asked, so its outputs and random draws are the unrecorded call's;
-    deliver its weights where they are the maps the blocks want, else the maps ``maps_of(call)``
-    computes beside it (every head's, without dropout or a graph). Returns what ``run`` returned."""
+    deliver its weights where they are the maps the blocks want, else the maps ``maps_of(call, per_head)``
+    computes beside it (without dropout or a graph; averaged over heads unless a block wants every
+    head's). Returns what ``run`` returned."""
     out, weights = run(call)
     heads = averaged = None
+    every_head = wants_every_head(module)
     if call.need_weights and not call.average_attn_weights:
         heads = weights
-    elif call.need_weights and not wants_every_head(module):
+    elif call.need_weights and not every_head:
         averaged = weights
     else:
         try:
-            heads = maps_of(call)
+            maps = maps_of(call, every_head)
         except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(f"recording_attention: module {name_of(module)}: {error}") from None
+            raise torch.OutOfMemoryError(_too_large_to_record(module, str(error), every_head)) from None
+        heads, averaged = (maps, None) if every_head else (None, maps)
     deliver(module, heads, averaged)
     return out, weights
+
+
+def _too_large_to_record(module: nn.Module, guard: str, every_head: bool) -> str:
+    """The memory guard's refusal, with the fixes that apply to a recording: the call's own
+    ``need_weights`` is not the cause, the maps the block asked for are."""
+    need = guard.split("; pass need_weights=False")[0].removeprefix("need_weights=True: ")
+    fixes = "record maps averaged over heads (recording_attention(model, per_head=False)), or " if every_head else ""
+    return f"recording_attention: module {name_of(module)}: its maps, {need}; {fixes}attend over fewer tokens"

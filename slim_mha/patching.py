@@ -52,6 +52,7 @@ import copy
 import functools
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import cast
@@ -292,12 +293,32 @@ def _install_redirect(stock: type, ours: type) -> None:
         return
 
     def __new__(cls, *args, **kwargs):
-        if cls is stock and (args or kwargs) and _STATE.active:
-            return object.__new__(ours)
+        if (args or kwargs) and _STATE.active:
+            if cls is stock:
+                return object.__new__(ours)
+            _warn_once_left_stock(cls, stock)
         return object.__new__(cls)
 
     __new__._slim_mha_builds = ours  # type: ignore[attr-defined]
     stock.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
+
+
+_WARNED_SUBCLASSES: set[type] = set()
+
+
+def _warn_once_left_stock(cls: type, stock: type) -> None:
+    """A subclass of torch's class of the user's own, built while patched, stays what it is: say so
+    once per class, since the patch changes nothing for it."""
+    if cls in _WARNED_SUBCLASSES or issubclass(cls, (SlimMultiheadAttention, SlimTransformerEncoderLayer)):
+        return
+    _WARNED_SUBCLASSES.add(cls)
+    warnings.warn(
+        f"slim_mha.patched(): {cls.__qualname__} subclasses torch's {stock.__name__} and is built as it is: the "
+        "patch makes torch's own class build slim, not subclasses, which may override what slim replaces; "
+        f"derive it from slim_mha.SlimMultiheadAttention (or SlimTransformerEncoderLayer) to make it slim",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _check_torch_holds_stock() -> None:

@@ -36,7 +36,25 @@ from ._stock_checks import AttentionCall, module_records_graph, stock_module_tak
 from ._swap import FOLDED_VALUE_BIAS
 from ._torch_compat import is_symbolic_call
 
-__all__ = ["ONE_PASS_FROM_SCORE_BYTES", "STOCK_KERNEL_MAX_SCORE_BYTES", "STOCK_OPS_MAX_SCORE_BYTES", "choose_path"]
+__all__ = [
+    "ONE_PASS_FROM_SCORE_BYTES",
+    "PATHS_TAKEN",
+    "STOCK_KERNEL_MAX_SCORE_BYTES",
+    "STOCK_OPS_MAX_SCORE_BYTES",
+    "choose_path",
+]
+
+# What each path is, in the words explain prints where choose_path gives no reason (it names why a
+# call could not take a shorter path, and a path it takes without one needs none).
+PATHS_TAKEN = {
+    "traced": "torch.fx records the call, as it records stock's",
+    "nested": "nested tensors: stock's native kernel, the only one that takes them",
+    "recorded": "attention maps are being recorded (slim_mha.recording_attention)",
+    "stock kernel": "self-attention without masks or a graph: stock's own kernel given [b_q; 0; b_v], the floor",
+    "stock ops": "a small call with weights: stock's own ops given [b_q; 0; b_v], the floor",
+    "sdpa": "self-attention without weights: one projection, scaled_dot_product_attention, the output projection",
+    "general": "slim's own path",
+}
 
 # Self-attention without weights takes stock's native kernel where its scores fit in this many
 # bytes: there the kernel is faster and the memory slim saves is small. On the CPU in bf16 the

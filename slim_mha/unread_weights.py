@@ -426,14 +426,14 @@ def _audit_hook(module: nn.Module, args: tuple, output: object) -> None:
 
 
 @contextmanager
-def unread_weights_report(*, quiet: bool = False, file: TextIO | None = None) -> Iterator[UnreadWeightsReport]:
+def unread_weights_report(*, quiet: bool = True, file: TextIO | None = None) -> Iterator[UnreadWeightsReport]:
     """Count the attention calls whose weights were computed and then discarded by their caller.
 
     Every ``nn.MultiheadAttention`` call in the block (stock, slim or patched) that returned weights
     to a caller that provably throws them away (the same analysis as ``skip_unread_weights``) is
-    counted by file, line and function. On exit the report is printed to ``file`` (default:
-    ``sys.stderr``) unless ``quiet``, with the fix: pass ``need_weights=False`` at those calls.
-    Blocks nest; each counts its own calls.
+    counted by file, line and function. The report is yours to read or print (``print(report)`` lists
+    the sites with the fix: pass ``need_weights=False`` at those calls); with ``quiet=False`` it is
+    also printed on exit, to ``file`` (default: ``sys.stderr``). Blocks nest; each counts its own calls.
 
     Example::
 

@@ -68,6 +68,7 @@ def test_a_model_of_our_own_with_an_input_function_and_dict_outputs(tmp_path, ca
         (["_bench_models:set_batch", "--input", "2x3"], "returned a tuple, not an nn.Module"),
         (["_bench_models:SetPooling"], "give the model's inputs"),
         (["_bench_models:no_attention", "--input", "2x3"], "the model holds no nn.MultiheadAttention"),
+        (["_broken_import:build", "--input", "2x3"], "importing '_broken_import' failed (RuntimeError: operator"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(arguments, message, capsys):

@@ -181,7 +181,9 @@ def test_a_stock_model_is_refused_with_the_fix():
     assert inspection.RECORDING == []
 
 
-def test_maps_too_large_are_refused_before_they_are_allocated_naming_the_module(monkeypatch):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_maps_too_large_are_refused_before_they_are_allocated_naming_the_module(monkeypatch, per_head):
+    """The advice is the recording's: the caller's need_weights=False is not the cause."""
     from slim_mha import _explicit_attention as guard
 
     _, slim = encoders(nested=False)
@@ -189,10 +191,13 @@ def test_maps_too_large_are_refused_before_they_are_allocated_naming_the_module(
     monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # every size is checked
     x, _ = padded_batch(400)
     with pytest.raises(
-        torch.OutOfMemoryError, match=r"recording_attention: module layers\.0\.self_attn: .* need at least"
-    ):
-        with torch.no_grad(), slim_mha.recording_attention(slim):
+        torch.OutOfMemoryError, match=r"recording_attention: module layers\.0\.self_attn: its maps, .* need at least"
+    ) as caught:
+        with torch.no_grad(), slim_mha.recording_attention(slim, per_head=per_head):
             slim(x)
+    message = str(caught.value)
+    assert "need_weights=False" not in message and message.endswith("attend over fewer tokens")
+    assert ("per_head=False" in message) == per_head
     assert inspection.RECORDING == []
 
 

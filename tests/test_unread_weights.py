@@ -820,7 +820,7 @@ def line_of(function, text: str) -> int:
 def test_the_audit_names_the_detr_call_sites_with_counts(capsys):
     stock, inputs = detr_pair()
     stock.eval()
-    with unread_weights_report() as report:
+    with unread_weights_report(quiet=False) as report:
         for _ in range(3):
             stock(**inputs)
         site_stored(stock.self_attn, inputs["tgt"], inputs["tgt"], inputs["tgt"])  # weights kept: not listed
@@ -856,7 +856,7 @@ def test_the_audit_nests_and_removes_its_hook():
     q, k, v = tokens()
     hooks_before = dict(torch.nn.modules.module._global_forward_hooks)
     stream = io.StringIO()
-    with unread_weights_report(file=stream) as outer:
+    with unread_weights_report(quiet=False, file=stream) as outer:
         site_subscript_zero(stock, q, k, v)
         with unread_weights_report(quiet=True) as inner:
             site_unpack_underscore(stock, q, k, v)
@@ -871,10 +871,22 @@ def test_the_audit_nests_and_removes_its_hook():
 def test_an_empty_audit_says_so(capsys):
     _, slim = stock_and_slim()
     q, k, v = tokens()
-    with unread_weights_report() as report:
+    with unread_weights_report(quiet=False) as report:
         site_subscript_zero(slim, q, k, v)  # skipped: nothing computed, nothing to report
     assert report.sites == []
     assert "no attention call computed weights that its caller discarded" in capsys.readouterr().err
+
+
+@needs_tested_bytecode
+def test_the_report_is_printed_once_when_the_caller_prints_it(capsys):
+    stock, _ = stock_and_slim()
+    q, k, v = tokens()
+    with unread_weights_report() as report:
+        site_subscript_zero(stock, q, k, v)
+    assert capsys.readouterr() == ("", "")  # the default prints nothing on exit
+    print(report)
+    printed = capsys.readouterr().out
+    assert printed.count("site_subscript_zero") == 1 and "fix: pass need_weights=False" in printed
 
 
 # ------------------------------------------------------------------------ the option's plumbing

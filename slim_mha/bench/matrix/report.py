@@ -40,6 +40,7 @@ class TargetCheck:
     floor_bound: float | None = None
     explanation: str = ""  # what the target is for, in one line
     detail: str | None = None  # printed instead of the worst value when the value is a flag
+    left_out: int = 0  # cases the target could not judge (stalled: no time to compare)
 
     @property
     def passed(self) -> bool:
@@ -279,12 +280,15 @@ def _check(
 
 _SPEED = "slim is at least as fast as stock in every case"
 _FLOOR = "slim is within 5% of the floor in every case"
-_MEMORY = "slim's peak memory is at or below stock's in every case"
+_MEMORY = (
+    "slim's peak memory is at or below stock's in every case, beside the 3E-element bias slim hands stock's kernel"
+)
 _AGREEMENT = "slim agrees with stock within the dtype's tolerance in every case"
 _EXPLANATIONS = {
     _SPEED: "paired stock/slim; at small shapes stock's native kernel is at the floor, where parity is the most",
     _FLOOR: "paired slim/floor; the floor is the fastest bare computation for the case, no module around it",
-    _MEMORY: "the most bytes live during a call, above its inputs",
+    _MEMORY: "the most bytes live during a call, above its inputs; where stock's own kernel runs, slim gives "
+    "it [b_q; 0; b_v], 3E elements stock does not hold (documented in docs/differences.md)",
     _AGREEMENT: "the two compute the same function; more than a few roundings of the dtype is a bug",
 }
 _AT_MOST = (_FLOOR, _MEMORY)
@@ -307,7 +311,11 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
     speed = [(result["name"], paired_ratio(result)) for result in timed]
     floor = [(result["name"], paired_ratio(result, "slim_over_floor")) for result in timed]
     peak_ratio = [
-        (result["name"], result["memory"]["slim"]["peak_bytes"] / max(result["memory"]["stock"]["peak_bytes"], 1))
+        (
+            result["name"],
+            (result["memory"]["slim"]["peak_bytes"] - _bias_allowance(result["case"]))
+            / max(result["memory"]["stock"]["peak_bytes"], 1),
+        )
         for result in plain
     ]
     agreement = [(result["name"], 1.0 if result["agrees"] else 0.0) for result in results]
@@ -319,9 +327,10 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
             explanation=f"{speed_check.explanation}; 0.97 beside busy processes: "
             "the noise of a paired ratio on shared cores",
         )
+    stalled = len(plain) - len(timed)
     checks = [
-        speed_check,
-        _check(_FLOOR, 1.05, floor, at_most=True),
+        replace(speed_check, left_out=stalled),
+        replace(_check(_FLOOR, 1.05, floor, at_most=True), left_out=stalled),
         _check(_MEMORY, 1.0, peak_ratio, at_most=True),
         _check(_AGREEMENT, 1.0, agreement),
     ]
@@ -344,6 +353,14 @@ def evaluate_targets(results: list[dict], device: str, *, busy: int = 0) -> list
     return checks
 
 
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+def _bias_allowance(case: dict) -> int:
+    """The bytes of the ``[b_q; 0; b_v]`` bias slim hands stock's kernel: ``3E`` elements of the case's dtype."""
+    return 3 * case["embed_dim"] * _ITEMSIZE.get(case["dtype"], 4)
+
+
 def format_targets(checks: list[TargetCheck]) -> str:
     """One verdict per target in plain words: met or not, in how many cases, the worst case and why."""
     lines = ["Targets:"]
@@ -357,7 +374,8 @@ def format_targets(checks: list[TargetCheck]) -> str:
         limit = (
             "" if check.detail else f" ({'at most' if check.target in _AT_MOST else 'at least'} {check.threshold:.2f})"
         )
-        lines.append(f"  {verdict}  {check.target}: {check.met} of {check.total} cases{limit}")
+        left_out = f"; {check.left_out} stalled case(s) left out, with no time to compare" if check.left_out else ""
+        lines.append(f"  {verdict}  {check.target}: {check.met} of {check.total} cases{limit}{left_out}")
         lines.append(f"        {worst}")
         if check.explanation:
             lines.append(f"        why: {check.explanation}")

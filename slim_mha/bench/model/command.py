@@ -62,6 +62,11 @@ def _resolve(target: str, option: str) -> Callable:
         raise ModelInputError(
             f"{option} {target!r}: cannot import {module_name!r} ({error}); install it, or run from the folder that holds it"
         ) from None
+    except Exception as error:  # installed, but its import fails (torchvision built for another torch, say)
+        raise ModelInputError(
+            f"{option} {target!r}: importing {module_name!r} failed ({type(error).__name__}: {error}); "
+            "install a build of it that matches this torch"
+        ) from None
     for part in attribute.split("."):
         if not hasattr(value, part):
             raise ModelInputError(
@@ -317,14 +322,14 @@ def format_model(result: dict) -> str:
         f"{result['model']}: {result['attention_modules']} attention module(s) made slim; "
         f"outputs and gradients {'agree' if result['agrees'] else 'DO NOT AGREE'} with stock "
         f"({result['dtype']}, against a float64 run)",
-        f"{'':<10} {'stock ms':>9} {'slim ms':>9} {'stock/slim':>10} {'peak stock':>11} {'peak slim':>10}",
+        f"{'':<10} {'stock ms':>9} {'slim ms':>9} {'stock/slim, paired':>18} {'peak stock':>11} {'peak slim':>10}",
     ]
     for mode in ("inference", "train"):
         r = result[mode]
         ratio = "stalled" if r["stalled"] else f"{r['stock_over_slim']:.2f}x"
         peaks = r["peak_bytes"]
         lines.append(
-            f"{mode:<10} {r['stock_ms']:>9.2f} {r['slim_ms']:>9.2f} {ratio:>10} "
+            f"{mode:<10} {r['stock_ms']:>9.2f} {r['slim_ms']:>9.2f} {ratio:>18} "
             f"{_size(peaks['stock']):>11} {_size(peaks['slim']):>10}"
         )
     for mode, rows in result.get("paths", {}).items():
@@ -335,6 +340,10 @@ def format_model(result: dict) -> str:
                 for row in rows
             )
         )
+    lines.append(
+        "stock/slim, paired: the median over interleaved repeats of stock's time over slim's (above 1 slim is "
+        "faster); it can differ from the ratio of the two medians beside it, whose repeats are not paired"
+    )
     saved = result["train"].get("saved_bytes")
     if saved:
         lines.append(
