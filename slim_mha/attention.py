@@ -29,7 +29,6 @@ from ._swap import (
 from ._torch_compat import (
     STOCK_MHA,
     fx_proxy_of,
-    is_capturing_or_transforming,
     is_symbolic_call,
     stock_head_split,
     stock_kernel,
@@ -154,10 +153,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         else:
             discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
             result = self._slim_general_with_options(call, discarded)
-        # The check follows whatever path ran, so that checking changes no output, not even its last bits.
-        if (self.check_equivariance or _equivariance.SWITCH.active) and path != "traced":
-            if not is_capturing_or_transforming():
-                _equivariance.check_call(self, result, call)
+        # The check follows whatever path ran, so that checking changes no output, not even its last bits;
+        # calls whose tensors hold no values (traced, compiled, transformed, faked) are not checked.
+        if (self.check_equivariance or _equivariance.SWITCH.active) and not is_symbolic_call(query):
+            _equivariance.check_call(self, result, call)
         return result
 
     def _slim_recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:

@@ -81,9 +81,15 @@ STOCK_OPS_MAX_SCORE_BYTES = {
 ONE_PASS_FROM_SCORE_BYTES = 64 << 10
 
 
-def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording: bool = True) -> tuple[str, str]:
+def choose_path(
+    module: nn.MultiheadAttention, call: AttentionCall, *, recording: bool = True, as_real: bool = False
+) -> tuple[str, str]:
     """The path ``call`` takes (one of those this module's docstring names), and why it cannot take a shorter
     one (``""`` when it takes one). The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's.
+
+    ``as_real``: take fake tensors (``FakeTensorMode``) as the real ones they stand for, to tell which
+    path a call would take on a device this machine lacks (``tests/test_fake_cuda.py``); a call on
+    fake tensors itself runs slim's own path, which takes them.
 
     Cheap on purpose: at the sizes of set models a call takes a tenth of a millisecond, and every
     microsecond here is a percent of it. So the module's state is read from its dictionaries.
@@ -95,7 +101,7 @@ def choose_path(module: nn.MultiheadAttention, call: AttentionCall, *, recording
         return "nested", ""
     if recording and inspection.RECORDING and inspection.watched(module):
         return "recorded", "attention maps are being recorded (slim_mha.recording_attention)"
-    why = _why_slims_own_path(module, query, need_weights)
+    why = _why_slims_own_path(module, query, need_weights, as_real)
     if why:
         return "general", why
     state = module.__dict__
@@ -172,7 +178,7 @@ def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tenso
     return batch * state["num_heads"] * length * source * query.element_size()
 
 
-def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool) -> str:
+def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool, as_real: bool) -> str:
     """The first reason a call can take no path but slim's own, or ``""``."""
     state, parameters = module.__dict__, module._parameters
     if need_weights and module.skip_unread_weights:
@@ -186,7 +192,7 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
         return "no input or output bias, or a parametrized projection"
     if state.get(FOLDED_VALUE_BIAS):
         return "a folded value bias, which refuses rows masked from every key"
-    if type(query) is not Tensor or is_symbolic_call(query):
+    if not as_real and (type(query) is not Tensor or is_symbolic_call(query)):
         return "a trace, transform, fake tensor or tensor subclass"
     shape = query.shape
     if len(shape) != 3 or shape[2] != state["embed_dim"] or not (shape[0] and shape[1]):

@@ -227,11 +227,12 @@ def test_explain_agrees_with_the_one_owner_of_the_choice():
     slim = slim_mha.SlimMultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(2, 8, E)
     from slim_mha._stock_checks import AttentionCall
-    from slim_mha.paths import choose_path
+    from slim_mha.paths import PATHS_TAKEN, choose_path
 
     with torch.no_grad():
         (row,) = slim_mha.explain(slim, x, x, x)
-        assert (row.path, row.why) == choose_path(slim, AttentionCall(x, x, x, None, True, None, True, False))
+        path, why = choose_path(slim, AttentionCall(x, x, x, None, True, None, True, False))
+        assert (row.path, row.why) == (path, why or PATHS_TAKEN[path])  # a short path: what it is
     assert row.module == "(the model)" and row.kind == "attention"
     assert encoder_layer.layer_path  # the layer's rows come from it (test above)
 
