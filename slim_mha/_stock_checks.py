@@ -270,6 +270,28 @@ def attention_mask(module, prepared: PreparedCall) -> Tensor | None:
     return attn_mask
 
 
+def a_row_sees_no_key(batch: int, length: int, attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> bool:
+    """Whether a query of a self-attention call over ``length`` tokens is masked from every key, with the
+    masks read as stock's fused kernels read them (bool, or non-zero: masked): those kernels turn such
+    a row to NaN. ``attn_mask`` ``(L, L)`` or ``(B·H, L, L)``, ``key_padding_mask`` ``(B, L)``. Reads
+    the masks on the host; a mask of the wrong shape is left to the path that raises stock's error."""
+    if attn_mask is None and key_padding_mask is None:
+        return False
+    if (attn_mask is not None and tuple(attn_mask.shape[-2:]) != (length, length)) or (
+        key_padding_mask is not None and tuple(key_padding_mask.shape) != (batch, length)
+    ):
+        return False
+    if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] % batch:
+        return False
+    masked = [m if m.dtype == torch.bool else m != 0 for m in (attn_mask, key_padding_mask) if m is not None]
+    if attn_mask is not None and attn_mask.dim() == 3:  # (B·H, L, S) -> (B, H, L, S)
+        masked[0] = masked[0].view(batch, -1, *masked[0].shape[-2:])
+    if key_padding_mask is not None:  # (B, S) -> (B, 1, 1, S), beside a (L, S) or (B, H, L, S) mask
+        masked[-1] = masked[-1].view(batch, 1, 1, length)
+    rows = masked[0] if len(masked) == 1 else masked[0] | masked[1]
+    return bool(rows.all(dim=-1).any())
+
+
 def sdpa_needs_empty_rows_mended(query: Tensor) -> bool:
     """Whether SDPA on ``query``'s device may not give a row masked from every key its zero output
     and finite gradients by itself (:func:`~slim_mha._torch_compat.sdpa_zeroes_rows_masked_from_every_key`):

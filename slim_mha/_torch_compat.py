@@ -126,10 +126,14 @@ def stock_kernel(
     out_proj_bias: Tensor,
     need_weights: bool,
     average: bool = False,
+    mask: Tensor | None = None,
+    mask_type: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Stock's native kernel on batch-first self-attention ``query`` ``(B, L, E)`` without masks:
-    the output ``(B, L, E)`` and, with ``need_weights``, the weights: every head's ``(B, H, L, L)``,
-    or with ``average`` their mean over heads ``(B, L, L)`` as the kernel takes it (``None`` without).
+    """Stock's native kernel on batch-first self-attention ``query`` ``(B, L, E)``: the output
+    ``(B, L, E)`` and, with ``need_weights``, the weights: every head's ``(B, H, L, L)``, or with
+    ``average`` their mean over heads ``(B, L, L)`` as the kernel takes it (``None`` without).
+    ``mask`` and ``mask_type``: what stock's ``merge_masks`` makes of the call's masks, as stock's
+    fast path passes them.
 
     Private: ``torch._native_multi_head_attention`` (no autograd), the op stock's ``forward`` calls,
     with the same arguments, on its fast path (batch-first self-attention, even head count, no
@@ -146,9 +150,10 @@ def stock_kernel(
         in_proj_bias,
         out_proj_weight,
         out_proj_bias,
-        None,
+        mask,
         need_weights,
         average,
+        mask_type,
     )
 
 

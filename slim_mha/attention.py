@@ -14,6 +14,7 @@ from ._explicit_attention import attention_with_weights, query_scale
 from ._stock_checks import (
     AttentionCall,
     PreparedCall,
+    additive_mask,
     attention_mask,
     open_empty_rows,
     prepare_call,
@@ -191,10 +192,19 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return super().forward(*call)
 
     def _slim_stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention without masks,
-        called as stock's fast path calls it (a sequence-first query goes in as a transposed view,
-        its output comes back in stock's layout)."""
+        """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention, called as stock's
+        fast path calls it, its masks made canonical and merged by stock's rules and stock's own
+        ``merge_masks`` (a sequence-first query, unmasked, goes in as a transposed view, its output
+        comes back in stock's layout)."""
         query = call.query if self.batch_first else call.query.transpose(0, 1)  # (B, L, E), as a view
+        mask, mask_type = None, None
+        if call.key_padding_mask is not None or call.attn_mask is not None:
+            key_padding_mask = additive_mask(
+                call.key_padding_mask, "key_padding_mask", query.dtype, other=call.attn_mask, other_name="attn_mask"
+            )
+            mask, mask_type = self.merge_masks(
+                additive_mask(call.attn_mask, "attn_mask", query.dtype), key_padding_mask, query
+            )
         out, weights = stock_kernel(
             query,
             self.num_heads,
@@ -204,6 +214,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             self.out_proj.bias,
             call.need_weights,
             call.average_attn_weights,
+            mask,
+            mask_type,
         )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
         if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import inspection
-from ._stock_checks import AttentionCall, why_stock_layer_is_not_fused
+from ._stock_checks import AttentionCall, a_row_sees_no_key, why_stock_layer_is_not_fused
 from ._swap import prepare_scriptable
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA, is_symbolic_call
 from .attention import SlimMultiheadAttention
@@ -117,7 +117,7 @@ def why_the_fused_kernel_departs(
     for mask in (src_mask, src_key_padding_mask):
         if mask is not None and mask.is_floating_point() and mask.dtype == src.dtype:
             return "a float mask, which the fused kernel reads as a bool one (non-zero: masked) where stock adds it"
-    if _a_row_sees_no_key(src, src_mask, src_key_padding_mask):
+    if a_row_sees_no_key(src.shape[0], src.shape[1], src_mask, src_key_padding_mask):
         return "a query masked from every key, which the fused kernel turns to NaN (slim gives it zeros)"
     return ""
 
@@ -129,27 +129,6 @@ def _dropout_in_training(layer: nn.TransformerEncoderLayer) -> bool:
         return True
     modules = (getattr(layer, name, None) for name in ("dropout", "dropout1", "dropout2"))
     return any(m is not None and m.training and getattr(m, "p", 1.0) > 0.0 for m in modules)
-
-
-def _a_row_sees_no_key(src: Tensor, src_mask: Tensor | None, src_key_padding_mask: Tensor | None) -> bool:
-    """Whether some query of a batch-first ``src`` ``(B, L, E)`` is masked from every key, with the masks
-    read as the fused kernel reads them (bool, or non-zero: masked). Reads the masks on the host."""
-    if src_mask is None and src_key_padding_mask is None:
-        return False
-    batch, length = src.shape[:2]
-    if (src_mask is not None and tuple(src_mask.shape[-2:]) != (length, length)) or (
-        src_key_padding_mask is not None and tuple(src_key_padding_mask.shape) != (batch, length)
-    ):
-        return False  # a mask of the wrong shape: the path that runs raises stock's error for it
-    if src_mask is not None and src_mask.dim() == 3 and src_mask.shape[0] % batch:
-        return False
-    masked = [m if m.dtype == torch.bool else m != 0 for m in (src_mask, src_key_padding_mask) if m is not None]
-    if src_mask is not None and src_mask.dim() == 3:  # (B·H, L, S) -> (B, H, L, S)
-        masked[0] = masked[0].view(src.shape[0], -1, *masked[0].shape[-2:])
-    if src_key_padding_mask is not None:  # (B, S) -> (B, 1, 1, S), beside a (L, S) or (B, H, L, S) mask
-        masked[-1] = masked[-1].view(masked[-1].shape[0], 1, 1, masked[-1].shape[-1])
-    rows = masked[0] if len(masked) == 1 else masked[0] | masked[1]
-    return bool(rows.all(dim=-1).any())
 
 
 class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):

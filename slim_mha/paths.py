@@ -9,7 +9,8 @@ Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its he
   computes stock's weights on the path :func:`choose_path` picks for it with ``recording=False``,
   hands them to the block, and returns what the caller asked for;
 * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
-  masks or a graph where stock's fast path would run it: with weights always (it is the floor),
+  a graph where stock's fast path would run it; with bool masks (stock's merged mask) up to
+  :data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`, never where a query sees no key; without masks: with weights always (it is the floor),
   without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
   the CPU's autocast (where stock runs its kernel too);
 * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
@@ -32,13 +33,20 @@ from torch import Tensor, nn
 
 from . import inspection
 from ._explicit_attention import below_checked_size, blocks_forced
-from ._stock_checks import AttentionCall, module_records_graph, stock_module_takes_fast_path
+from ._stock_checks import (
+    AttentionCall,
+    a_row_sees_no_key,
+    module_records_graph,
+    stock_module_takes_fast_path,
+    stock_returns_batch_major,
+)
 from ._swap import FOLDED_VALUE_BIAS
 from ._torch_compat import is_symbolic_call
 
 __all__ = [
     "ONE_PASS_FROM_SCORE_BYTES",
     "PATHS_TAKEN",
+    "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES",
     "STOCK_KERNEL_MAX_SCORE_BYTES",
     "STOCK_OPS_MAX_SCORE_BYTES",
     "choose_path",
@@ -64,6 +72,14 @@ PATHS_TAKEN = {
 STOCK_KERNEL_MAX_SCORE_BYTES = {
     ("cpu", torch.float32): 2 << 20,
     ("cpu", torch.bfloat16): 32 << 20,
+}
+
+# Self-attention with bool masks, in inference, takes stock's native kernel given [b_q; 0; b_v] and
+# stock's own merged mask where stock's fast path would, up to scores of this many bytes: there its one
+# kernel beats slim's own path, above it slim's path wins (benchmarks/one_answer_ab/README.md).
+STOCK_KERNEL_MASKED_MAX_SCORE_BYTES = {
+    ("cpu", torch.float32): 64 << 10,
+    ("cpu", torch.bfloat16): 64 << 10,
 }
 
 # Calls with weights and without masks that stock's kernel does not take run stock's Python path op
@@ -117,6 +133,8 @@ def choose_path(
     device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
     if plain:
         path, why = _self_attention_path(module, query, device, need_weights)
+    elif query is key and key is value and not is_causal and state["_qkv_same_embed_dim"]:
+        path, why = _masked_self_attention_path(module, call, device)
     else:
         path, why = "general", "masks or cross-attention"
     if path != "general":
@@ -162,6 +180,27 @@ def _self_attention_path(
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
         return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
     return "sdpa", ""
+
+
+def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> tuple[str, str]:
+    """For self-attention with masks: ``"stock kernel"`` where stock's fast path would run its kernel
+    with the masks and it is the faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else
+    ``"general"`` and why. Never where a query sees no key: the kernel turns that row to NaN."""
+    query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
+    largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype))
+    if largest is None:
+        return "general", "masks, where stock's kernel with masks has not been measured"
+    if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
+        return "general", "masks, on a call stock's fast path would not take"
+    state = module.__dict__
+    batch, length = query.shape[:2]
+    if batch * state["num_heads"] * length * length * query.element_size() > largest:
+        return "general", "masks, on scores larger than stock's kernel is the faster at"
+    if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
+        return "general", "weights too large to check"
+    if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
+        return "general", "a query masked from every key, which stock's kernel turns to NaN"
+    return "stock kernel", ""
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:

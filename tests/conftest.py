@@ -54,8 +54,10 @@ def record_checks(monkeypatch) -> Callable[[Callable], list]:
 def slims_own_paths(monkeypatch):
     """Small calls that slim hands to stock's code by default in fp32 and bf16 take slim's own paths
     instead, for the tests that exercise slim's own code at small sizes: without weights its short
-    path rather than stock's kernel, with weights its own path rather than stock's ops."""
+    path rather than stock's kernel, with masks or weights its own path rather than stock's kernel or
+    ops."""
     from slim_mha import paths
 
     monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})
+    monkeypatch.setattr(paths, "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_OPS_MAX_SCORE_BYTES", {})
