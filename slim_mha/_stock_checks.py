@@ -283,6 +283,8 @@ def a_row_sees_no_key(batch: int, length: int, attn_mask: Tensor | None, key_pad
         return False
     if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] % batch:
         return False
+    if attn_mask is None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
+        return bool(key_padding_mask.all(dim=-1).any())  # the common case, in two ops
     masked = [m if m.dtype == torch.bool else m != 0 for m in (attn_mask, key_padding_mask) if m is not None]
     if attn_mask is not None and attn_mask.dim() == 3:  # (B·H, L, S) -> (B, H, L, S)
         masked[0] = masked[0].view(batch, -1, *masked[0].shape[-2:])
@@ -346,26 +348,31 @@ def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor,
     returns ``.transpose(1, 0)`` of it, strides ``(E, B*E, 1)``. The layout decides which elements a
     following dropout draws for which position (it draws in memory order), so slim returns stock's.
     This is the part of stock's fast-path test that a call reaching slim's computation can fail:
-    stock's conditions, in stock's order.
+    stock's conditions, in stock's order. The module is read from its dictionaries: a small masked
+    call asks this on every call, and each ``nn.Module`` attribute look-up costs a percent of it.
     """
+    state, parameters = module.__dict__, module._parameters
     if (
         not stock_module_takes_fast_path(module)
         or query.dim() != 3
         or not (query is key and key is value)
-        or not module.batch_first
-        or module.bias_k is not None
-        or module.bias_v is not None
-        or module.add_zero_attn
-        or not module._qkv_same_embed_dim
+        or not state["batch_first"]
+        or parameters.get("bias_k") is not None
+        or parameters.get("bias_v") is not None
+        or state["add_zero_attn"]
+        or not state["_qkv_same_embed_dim"]
         or (attn_mask is not None and torch.is_floating_point(attn_mask))
         or (key_padding_mask is not None and torch.is_floating_point(key_padding_mask))
         or torch.is_autocast_enabled()
     ):
         return False
-    weight, bias = module.in_proj_weight, module.in_proj_bias
+    weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
     if weight is None or bias is None or query.dtype != weight.dtype or query.dtype != bias.dtype:
         return False  # without an input bias stock's kernel is not called: its Python path runs
-    tensors = [t for t in (query, weight, bias, module.out_proj.weight, module.out_proj.bias) if t is not None]
+    out_parameters = module._modules["out_proj"]._parameters
+    tensors = [
+        t for t in (query, weight, bias, out_parameters.get("weight"), out_parameters.get("bias")) if t is not None
+    ]
     return not (
         torch.overrides.has_torch_function(tensors)
         or not all(t.is_cpu or t.is_cuda for t in tensors)

@@ -75,11 +75,14 @@ STOCK_KERNEL_MAX_SCORE_BYTES = {
 }
 
 # Self-attention with bool masks, in inference, takes stock's native kernel given [b_q; 0; b_v] and
-# stock's own merged mask where stock's fast path would, up to scores of this many bytes: there its one
-# kernel beats slim's own path, above it slim's path wins (benchmarks/one_answer_ab/README.md).
+# stock's own merged mask where stock's fast path would, up to scores of this many bytes, keyed by
+# (device, dtype, need_weights): there the kernel beats slim's own path by 3% or more in quiet medians,
+# above it slim's own path wins. In bf16 without weights slim's path wins at every size measured, so
+# that entry is absent; CUDA has not been measured (benchmarks/one_answer_ab/README.md).
 STOCK_KERNEL_MASKED_MAX_SCORE_BYTES = {
-    ("cpu", torch.float32): 64 << 10,
-    ("cpu", torch.bfloat16): 64 << 10,
+    ("cpu", torch.float32, True): 64 << 10,
+    ("cpu", torch.float32, False): 8 << 10,
+    ("cpu", torch.bfloat16, True): 16 << 10,
 }
 
 # Calls with weights and without masks that stock's kernel does not take run stock's Python path op
@@ -187,9 +190,9 @@ def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCa
     with the masks and it is the faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else
     ``"general"`` and why. Never where a query sees no key: the kernel turns that row to NaN."""
     query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
-    largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype))
+    largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
-        return "general", "masks, where stock's kernel with masks has not been measured"
+        return "general", "masks, where stock's kernel with masks is not the faster (or not measured)"
     if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
         return "general", "masks, on a call stock's fast path would not take"
     state = module.__dict__
