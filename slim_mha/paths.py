@@ -193,12 +193,14 @@ def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCa
     largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
         return "general", "masks, where stock's kernel with masks is not the faster (or not measured)"
-    if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
-        return "general", "masks, on a call stock's fast path would not take"
     state = module.__dict__
+    if not state["batch_first"]:  # stock's fast path takes batch-first calls alone
+        return "general", "masks, on a call stock's fast path would not take"
     batch, length = query.shape[:2]
     if batch * state["num_heads"] * length * length * query.element_size() > largest:
         return "general", "masks, on scores larger than stock's kernel is the faster at"
+    if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
+        return "general", "masks, on a call stock's fast path would not take"
     if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
         return "general", "weights too large to check"
     if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
