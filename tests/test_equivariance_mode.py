@@ -65,24 +65,24 @@ def _ramp(tensor: torch.Tensor, axis: int, height: float) -> torch.Tensor:
 class QueryPositionLeak(SlimMultiheadAttention):
     """Adds each query's position to its output row: the output no longer follows the queries."""
 
-    def _slim_general(self, call):
-        output, weights = super()._slim_general(call)
+    def _slim_general(self, call, dropout_p=None):
+        output, weights = super()._slim_general(call, dropout_p)
         return output + _ramp(output, _token_axis(self, call.query), 0.5), weights
 
 
 class KeyPositionLeak(SlimMultiheadAttention):
     """Adds each key's position to the key: reordering keys and values changes the output."""
 
-    def _slim_general(self, call):
+    def _slim_general(self, call, dropout_p=None):
         key = call.key + _ramp(call.key, _token_axis(self, call.key), 2.0)
-        return super()._slim_general(call._replace(key=key))
+        return super()._slim_general(call._replace(key=key), dropout_p)
 
 
 class WeightColumnLeak(SlimMultiheadAttention):
     """Returns the right output but weights whose columns are rolled by one."""
 
-    def _slim_general(self, call):
-        output, weights = super()._slim_general(call)
+    def _slim_general(self, call, dropout_p=None):
+        output, weights = super()._slim_general(call, dropout_p)
         return output, None if weights is None else weights.roll(1, dims=-1)
 
 
@@ -439,8 +439,8 @@ def test_environment_variable_end_to_end():
         from slim_mha import EquivarianceError, SlimMultiheadAttention
 
         class Leak(SlimMultiheadAttention):
-            def _slim_general(self, call):
-                output, weights = super()._slim_general(call)
+            def _slim_general(self, call, dropout_p=None):
+                output, weights = super()._slim_general(call, dropout_p)
                 return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 
         x = torch.randn(2, 5, 8)
@@ -552,7 +552,7 @@ def test_error_survives_pickling():
 class PositionalBias(SlimMultiheadAttention):
     """Adds a bias by query/key distance (ALiBi-like) to the mask: a mask that does not follow the tokens."""
 
-    def _slim_general(self, call):
+    def _slim_general(self, call, dropout_p=None):
         query, key, attn_mask = call.query, call.key, call.attn_mask
         axis = _token_axis(self, query)
         rows = torch.arange(query.shape[axis], dtype=query.dtype)
@@ -561,7 +561,7 @@ class PositionalBias(SlimMultiheadAttention):
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(attn_mask, float("-inf"))
         attn_mask = bias if attn_mask is None else attn_mask + bias
-        return super()._slim_general(call._replace(attn_mask=attn_mask, is_causal=False))
+        return super()._slim_general(call._replace(attn_mask=attn_mask, is_causal=False), dropout_p)
 
 
 def causal_inputs(case: Case, mask_dtype: torch.dtype | None = None, **overrides) -> dict:

@@ -93,13 +93,13 @@ def test_a_transformer_with_a_causal_mask_trains_under_the_mode_unchanged(how, s
 class PositionalBias(SlimMultiheadAttention):
     """Adds a fixed distance bias (ALiBi-like) to the mask it is given: a mask that does not follow the tokens."""
 
-    def _slim_general(self, call):
+    def _slim_general(self, call, dropout_p=None):
         query, key, attn_mask = call.query, call.key, call.attn_mask
         rows = torch.arange(query.shape[1], dtype=query.dtype).view(-1, 1)
         columns = torch.arange(key.shape[1], dtype=query.dtype).view(1, -1)
         bias = -(rows - columns).abs()  # (L, S), by position
         attn_mask = bias if attn_mask is None else attn_mask + bias
-        return super()._slim_general(call._replace(attn_mask=attn_mask, is_causal=False))
+        return super()._slim_general(call._replace(attn_mask=attn_mask, is_causal=False), dropout_p)
 
 
 def with_positional_bias(model: nn.Transformer) -> nn.Transformer:

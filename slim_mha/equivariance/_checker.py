@@ -404,30 +404,48 @@ def isolated_runs(module: nn.Module | None, inputs: tuple) -> Iterator[Callable[
     devices = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
     random_states = _RandomStates(devices)
     attributes = [(owner, dict(owner.__dict__)) for owner in modules]
-    buffers = [
-        (owner, name, buffer) for owner in modules for name, buffer in owner._buffers.items() if buffer is not None
-    ]
-
-    def rewind() -> None:
-        random_states.restore()
-        for owner, saved in attributes:
-            _restore_attributes(owner, saved)
-        with torch.no_grad():
-            for owner, name, buffer in buffers:
-                owner._buffers[name] = buffer.detach().clone()
-
     attention = [m for m in modules if isinstance(m, nn.MultiheadAttention)]
     hints = [m.register_forward_pre_hook(_mask_over_causal_hint, with_kwargs=True) for m in attention]
     token = _IN_RUNS.set(True)
     try:
-        rewind()
-        with torch.no_grad(), _CheckRuns():
-            yield rewind
+        with buffer_copies(module) as fresh_buffers:
+
+            def rewind() -> None:
+                random_states.restore()
+                for owner, saved in attributes:
+                    _restore_attributes(owner, saved)
+                fresh_buffers()
+
+            try:
+                with torch.no_grad(), _CheckRuns():
+                    yield rewind
+            finally:
+                rewind()
     finally:
         _IN_RUNS.reset(token)
         for handle in hints:
             handle.remove()
-        rewind()
+
+
+@contextmanager
+def buffer_copies(module: nn.Module | None) -> Iterator[Callable[[], None]]:
+    """Fresh copies of ``module``'s buffers in their places while the block runs (``fresh()`` makes
+    new ones), the buffers themselves back after: runs that update a buffer (batch-norm statistics,
+    an EMA, spectral norm's ``_u``) leave the real one, its values and its version counter, alone."""
+    modules = list(module.modules()) if module is not None else []
+    buffers = [
+        (owner, name, buffer) for owner in modules for name, buffer in owner._buffers.items() if buffer is not None
+    ]
+
+    def fresh() -> None:
+        with torch.no_grad():
+            for owner, name, buffer in buffers:
+                owner._buffers[name] = buffer.detach().clone()
+
+    try:
+        fresh()
+        yield fresh
+    finally:
         for owner, name, buffer in buffers:
             owner._buffers[name] = buffer
 

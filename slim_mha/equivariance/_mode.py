@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from .._stock_checks import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
-from ._checker import isolated_runs
+from ._checker import buffer_copies
 from ._context import is_rerunning, naming, qualified_name, type_name
 from ._inputs import SAME_AS_DIM
 from ._measure import (
@@ -385,9 +385,10 @@ class _AttentionCheck:
 
     def run(self, result: tuple[Tensor, Tensor | None]) -> None:
         __tracebackhide__ = True
-        # Each recomputation from the state the call left (a parametrized projection's buffers, the
-        # RNGs), restored after; dropout off in this thread alone (isolated_runs).
-        with isolated_runs(self.module, ()) as self.rewind:
+        # Each recomputation runs slim's own path alone (no user code; dropout_p=0, so nothing random is
+        # drawn and no module flag is switched), on fresh copies of the module's buffers: a parametrized
+        # projection's spectral norm is not advanced.
+        with torch.no_grad(), buffer_copies(self.module) as self.rewind:
             if self.recompute_reference:  # dropout noise, or a causal hint read differently: recompute
                 reference = self._attend(permute_queries=False, permute_keys=False)
             else:
@@ -421,7 +422,8 @@ class _AttentionCheck:
         return self.module._slim_general(
             AttentionCall(
                 query, key, value, key_padding_mask, self.need_weights, attn_mask, self.average_attn_weights, False
-            )
+            ),
+            dropout_p=0.0,
         )
 
     def _compare(self, reference, permute_queries: bool, permute_keys: bool) -> list[TensorError]:
