@@ -444,3 +444,18 @@ def test_weights_command_passes_masks_to_every_contender(capsys, tmp_path):
         bench.main(["weights", "--shape", "2x16x32x4", "--masks", "pad"])
     assert exit_info.value.code == 2
     assert "argument --masks: invalid choice: 'pad'" in capsys.readouterr().err
+
+
+def test_a_verdict_that_leaves_stalled_cases_out_says_how_many_within_120_columns():
+    """'MET ... 2 of 2' once hid 13 stalled cases; the verdict counts them, and still fits the screen."""
+    from slim_mha.bench.matrix.report import TargetCheck, evaluate_targets, format_targets
+
+    targets = [check.target for check in evaluate_targets([], "cpu")]  # speed and floor judge timed cases
+    worst = "inference self - B=8 L=128 E=256 H=8 fp32"
+    checks = [
+        TargetCheck(target, 1.0, 2, 2, 1.1, worst, left_out=13 if index < 2 else 0)
+        for index, target in enumerate(targets)
+    ]
+    text = format_targets(checks)
+    assert text.count("13 stalled left out") == 2
+    assert max(len(line) for line in text.splitlines()) <= 120

@@ -371,7 +371,7 @@ def format_targets(checks: list[TargetCheck]) -> str:
         limit = (
             "" if check.detail else f" ({'at most' if check.target in _AT_MOST else 'at least'} {check.threshold:.2f})"
         )
-        left_out = f"; {check.left_out} stalled case(s) left out, with no time to compare" if check.left_out else ""
+        left_out = f"; {check.left_out} stalled left out" if check.left_out else ""
         lines.append(f"  {verdict}  {check.target}: {check.met} of {check.total} cases{limit}{left_out}")
         lines.append(f"        {worst}")
         if check.explanation:
