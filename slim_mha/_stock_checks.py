@@ -312,10 +312,15 @@ def open_empty_rows(mask: Tensor, *, may_sync: bool) -> tuple[Tensor, Tensor | N
     ``may_sync`` (eager CPU calls, where reading a flag costs nothing) a mask without such rows is
     returned as it is, with ``None``; elsewhere the mend is made without a host sync.
     """
-    empty = torch.isneginf(mask).all(dim=-1, keepdim=True)
+    empty = rows_masked_from_every_key(mask)
     if may_sync and not bool(empty.any()):
         return mask, None
     return mask.masked_fill(empty, 0.0), empty
+
+
+def rows_masked_from_every_key(mask: Tensor) -> Tensor:
+    """``(..., L or 1, 1)``, True where every key of an additive ``mask`` is ``-inf``: a query that sees no key."""
+    return torch.isneginf(mask).all(dim=-1, keepdim=True)
 
 
 def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, num_heads: int) -> Tensor:

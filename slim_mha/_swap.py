@@ -28,10 +28,10 @@ import functools
 import types
 from typing import TypeVar
 
-import torch
 from torch import Tensor, nn
 
-from ._torch_compat import wrap_jit_prepare
+from ._stock_checks import rows_masked_from_every_key
+from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA, wrap_jit_prepare
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -39,6 +39,7 @@ __all__ = [
     "FOLDED_VALUE_BIAS",
     "SLIM_ATTRIBUTES",
     "has_folded_value_bias",
+    "left_stock",
     "prepare_scriptable",
     "rebuild_as",
     "refuse_folded_value_bias",
@@ -79,7 +80,7 @@ def refuse_rows_masked_from_every_key(mask: Tensor) -> None:
     A query masked from every key has a row of zeros: stock outputs ``out_proj.bias`` there, while
     the folded bias adds ``W_o b_v``. The fold cannot be undone here, so such a call is refused.
     """
-    if bool(torch.isneginf(mask).all(dim=-1).any()):
+    if bool(rows_masked_from_every_key(mask).any()):
         raise RuntimeError(
             "slim_mha: a query row is masked from every key, and this module's value bias was folded into "
             "out_proj.bias (fold_value_bias), which is exact only where each query attends to some key "
@@ -102,6 +103,17 @@ def rebuild_as(module: nn.Module, cls: type[M], **attributes) -> M:
     state.update(attributes)
     new.__dict__.update(state)
     return new
+
+
+def left_stock(cls: type) -> bool:
+    """Whether ``cls`` is a subclass of torch's attention or encoder-layer class of the user's own, which
+    ``convert`` and the patch leave as it is: it may override what slim replaces. Torch's classes
+    themselves and slim's (and subclasses of slim's) are not."""
+    return (
+        issubclass(cls, (STOCK_MHA, STOCK_ENCODER_LAYER))
+        and cls not in (STOCK_MHA, STOCK_ENCODER_LAYER)
+        and slim_stands_for(cls) is None
+    )
 
 
 def slim_stands_for(cls: type) -> type | None:

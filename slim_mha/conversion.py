@@ -30,6 +30,7 @@ from torch.nn.utils import parametrize
 from ._swap import (
     FOLDED_VALUE_BIAS,
     has_folded_value_bias,
+    left_stock,
     rebuild_as,
     refuse_folded_value_bias,
 )
@@ -87,9 +88,7 @@ def _warn_what_stays_stock(module: nn.Module) -> None:
     subclasses = [
         f"{_describe(name)} ({type(child).__qualname__})"
         for name, child in module.named_modules()
-        if isinstance(child, (STOCK_MHA, STOCK_ENCODER_LAYER))
-        and type(child) not in (STOCK_MHA, STOCK_ENCODER_LAYER)
-        and not isinstance(child, (SlimMultiheadAttention, SlimTransformerEncoderLayer))
+        if left_stock(type(child))
     ]
     if subclasses:
         warnings.warn(

@@ -171,10 +171,9 @@ def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mas
     with ``layer.self_attn`` (slim's) as the attention: batch-first ``src`` ``(B, L, E)``."""
     src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
     _refuse_masks_as_the_kernel(layer, src, src_mask, src_key_padding_mask)
-    # Read as the kernel reads them: non-zero is masked (a float mask of another dtype than the input
-    # reaches here, which stock's unfused forward would refuse and its kernel reads so).
-    src_mask = None if src_mask is None else src_mask != 0
-    src_key_padding_mask = None if src_key_padding_mask is None else src_key_padding_mask != 0
+    # A float mask of another dtype than the input reaches here, which stock's unfused forward would
+    # refuse and its kernel reads so.
+    src_mask, src_key_padding_mask = _as_the_kernel_reads(src_mask), _as_the_kernel_reads(src_key_padding_mask)
     attention, eps, width = layer.self_attn, layer.norm1.eps, (src.shape[-1],)  # the kernel reads norm1.eps alone
     activation = F.gelu if layer.activation_relu_or_gelu == 2 else F.relu
 
@@ -219,6 +218,11 @@ def _canonical_masks(src: Tensor, src_mask, src_key_padding_mask) -> tuple[Tenso
     return src_mask, src_key_padding_mask
 
 
+def _as_the_kernel_reads(mask: Tensor | None) -> Tensor | None:
+    """A canonical (additive) mask as stock's fused kernel reads it: a bool mask, non-zero masked."""
+    return None if mask is None else mask != 0
+
+
 def _unfused(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask, is_causal: bool) -> Tensor:
     """What stock's ``forward`` computes where it does not fuse: its masks made canonical, then its
     blocks and norms as modules (a subclass's blocks, dropout modules and hooks on them included).
@@ -257,21 +261,11 @@ def _record_beside_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, sr
     width = (src.shape[-1],)
     x = F.layer_norm(src, width, layer.norm1.weight, layer.norm1.bias, layer.norm1.eps) if layer.norm_first else src
     call = AttentionCall(
-        x,
-        x,
-        x,
-        None if src_key_padding_mask is None else src_key_padding_mask != 0,
-        False,
-        None if src_mask is None else src_mask != 0,
-        True,
-        False,
+        x, x, x, _as_the_kernel_reads(src_key_padding_mask), False, _as_the_kernel_reads(src_mask), True, False
     )
     attention = layer.self_attn
     assert isinstance(attention, SlimMultiheadAttention)  # a recording block watches slim's alone
-    if inspection.wants_every_head(attention):
-        inspection.deliver(attention, attention._slim_maps(call, per_head=True))
-    else:
-        inspection.deliver(attention, None, attention._slim_maps(call, per_head=False))
+    inspection.record_beside(attention, attention._slim_maps, call)
     if padding is not None:
         inspection.pad_rows(attention, padding)
 

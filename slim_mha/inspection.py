@@ -258,20 +258,24 @@ def record_call(module: nn.Module, run, maps_of, call) -> tuple[Tensor, Tensor |
     computes beside it (without dropout or a graph; averaged over heads unless a block wants every
     head's). Returns what ``run`` returned."""
     out, weights = run(call)
-    heads = averaged = None
-    every_head = wants_every_head(module)
     if call.need_weights and not call.average_attn_weights:
-        heads = weights
-    elif call.need_weights and not every_head:
-        averaged = weights
+        deliver(module, weights)
+    elif call.need_weights and not wants_every_head(module):
+        deliver(module, None, weights)
     else:
-        try:
-            maps = maps_of(call, every_head)
-        except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(_too_large_to_record(module, str(error), every_head)) from None
-        heads, averaged = (maps, None) if every_head else (None, maps)
-    deliver(module, heads, averaged)
+        record_beside(module, maps_of, call)
     return out, weights
+
+
+def record_beside(module: nn.Module, maps_of, call) -> None:
+    """Deliver the maps ``maps_of(call, per_head)`` computes beside a call whose own result holds none:
+    every head's where a block wants them, else their average (which may be computed in blocks of rows)."""
+    every_head = wants_every_head(module)
+    try:
+        maps = maps_of(call, every_head)
+    except torch.OutOfMemoryError as error:
+        raise torch.OutOfMemoryError(_too_large_to_record(module, str(error), every_head)) from None
+    deliver(module, *((maps, None) if every_head else (None, maps)))
 
 
 def _too_large_to_record(module: nn.Module, guard: str, every_head: bool) -> str:

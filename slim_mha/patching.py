@@ -59,7 +59,7 @@ from typing import cast
 
 from torch import nn
 
-from ._swap import SLIM_ATTRIBUTES, refuse_folded_value_bias
+from ._swap import SLIM_ATTRIBUTES, left_stock, refuse_folded_value_bias
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention
 from .encoder_layer import SlimTransformerEncoderLayer
@@ -288,8 +288,7 @@ def _apply(state: _PatchState) -> None:
 
 def _install_redirect(stock: type, ours: type) -> None:
     """Give ``stock`` the ``__new__`` that builds ``ours`` while patched, once; it stays installed."""
-    current = stock.__dict__.get("__new__")
-    if isinstance(current, staticmethod) and getattr(current.__func__, "_slim_mha_builds", None) is ours:
+    if _redirect_of(stock) is ours:
         return
 
     def __new__(cls, *args, **kwargs):
@@ -303,13 +302,19 @@ def _install_redirect(stock: type, ours: type) -> None:
     stock.__new__ = staticmethod(__new__)  # type: ignore[method-assign,assignment]
 
 
+def _redirect_of(stock: type) -> type | None:
+    """The patched class ``stock``'s installed ``__new__`` builds, if that ``__new__`` is ours."""
+    current = stock.__dict__.get("__new__")
+    return getattr(getattr(current, "__func__", None), "_slim_mha_builds", None)
+
+
 _WARNED_SUBCLASSES: set[type] = set()
 
 
 def _warn_once_left_stock(cls: type, stock: type) -> None:
     """A subclass of torch's class of the user's own, built while patched, stays what it is: say so
     once per class, since the patch changes nothing for it."""
-    if cls in _WARNED_SUBCLASSES or issubclass(cls, (SlimMultiheadAttention, SlimTransformerEncoderLayer)):
+    if cls in _WARNED_SUBCLASSES or not left_stock(cls):
         return
     _WARNED_SUBCLASSES.add(cls)
     warnings.warn(
@@ -325,7 +330,7 @@ def _check_torch_holds_stock() -> None:
     # Checked before anything is installed, so a refusal leaves torch as it was.
     for stock, module_names in _REQUIRED_NAMES.items():
         current = stock.__dict__.get("__new__")
-        if current is not None and getattr(getattr(current, "__func__", None), "_slim_mha_builds", None) is None:
+        if current is not None and _redirect_of(stock) is None:
             raise RuntimeError(
                 f"slim_mha.patch(): torch's {stock.__name__} has a __new__ of another library's ({current!r}); "
                 "undo that patch first, or use slim_mha.convert(model) instead of patching"

@@ -8,11 +8,11 @@ Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its he
 * ``"recorded"``: a :func:`slim_mha.recording_attention` block watches the module: the call
   computes stock's weights on the path :func:`choose_path` picks for it with ``recording=False``,
   hands them to the block, and returns what the caller asked for;
-* ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without
-  a graph where stock's fast path would run it; with bool masks (stock's merged mask) up to
-  :data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`, never where a query sees no key; without masks: with weights always (it is the floor),
-  without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under
-  the CPU's autocast (where stock runs its kernel too);
+* ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without a
+  graph where stock's fast path would run it. Without masks: with weights always (it is the floor),
+  without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under the
+  CPU's autocast (where stock runs its kernel too). With bool masks, given stock's merged mask, up
+  to :data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`, and never where a query sees no key;
 * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
   weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
   batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
@@ -58,7 +58,7 @@ PATHS_TAKEN = {
     "traced": "torch.fx records the call, as it records stock's",
     "nested": "nested tensors: stock's native kernel, the only one that takes them",
     "recorded": "attention maps are being recorded (slim_mha.recording_attention)",
-    "stock kernel": "self-attention without masks or a graph: stock's own kernel given [b_q; 0; b_v], the floor",
+    "stock kernel": "self-attention where stock's fast path runs its kernel: stock's own kernel given [b_q; 0; b_v]",
     "stock ops": "a small call with weights: stock's own ops given [b_q; 0; b_v], the floor",
     "sdpa": "self-attention without weights: one projection, scaled_dot_product_attention, the output projection",
     "general": "slim's own path",

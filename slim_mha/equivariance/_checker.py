@@ -50,11 +50,11 @@ from ._locate import (
     recording,
 )
 from ._measure import (
-    SENTINEL,
     EquivarianceError,
     TensorError,
     draw_permutation,
     less_precise,
+    magnitudes,
     measure_error,
     permute,
     tolerance_dtype,
@@ -268,12 +268,7 @@ def _input_scale(inputs: tuple, plan: InputPlan) -> float:
     scale = 0.0
     for x, dims in zip(inputs, plan.dims):
         if dims and isinstance(x, Tensor) and x.is_floating_point() and x.numel():
-            with torch.no_grad():
-                values = x.detach()
-                magnitude = values.abs()
-                if not values.is_complex():  # an additive mask's fills never widen the tolerance
-                    magnitude = magnitude.masked_fill(values <= SENTINEL, 0.0)
-                scale = max(scale, float(magnitude.nan_to_num(nan=0.0, posinf=0.0).max()))
+            scale = max(scale, float(magnitudes(x).max()))  # an additive mask's fills never widen it
     return scale
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "SENTINEL",
     "TOLERANCE",
     "EquivarianceError",
+    "magnitudes",
     "TensorError",
     "tolerance_for",
     "tolerance_dtype",
@@ -167,10 +168,7 @@ def measure_error(
             same = (a == e) | (torch.isnan(a) & torch.isnan(e))
             difference = difference.masked_fill_(same, 0.0).nan_to_num_(nan=float("inf"))
         max_abs, flat_index = difference.reshape(-1).max(dim=0)
-        magnitude = e.abs()
-        magnitude = (magnitude.real if compute.is_complex else magnitude).nan_to_num_(nan=0.0, posinf=0.0)
-        if not compute.is_complex:
-            magnitude.masked_fill_(e <= SENTINEL, 0.0)  # mask fills: compared, but never the scale
+        magnitude = magnitudes(e)  # mask fills are compared, but never the scale
         # One host sync for all three numbers (float64 holds any index below 2**53 exactly).
         max_abs, index, scale = torch.stack([max_abs.double(), flat_index.double(), magnitude.max().double()]).tolist()
         note = "NaN or inf on one side only" if max_abs == float("inf") else ""
@@ -188,12 +186,17 @@ def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _scale(tensor: Tensor) -> float:
     if tensor.numel() == 0:
         return 0.0
-    magnitude = tensor.abs() if tensor.is_floating_point() or tensor.is_complex() else tensor.double().abs()
-    if magnitude.is_complex():
-        magnitude = magnitude.real
-    elif tensor.is_floating_point():
-        magnitude = magnitude.masked_fill(tensor <= SENTINEL, 0.0)
-    return float(magnitude.nan_to_num(nan=0.0, posinf=0.0).max())
+    return float(magnitudes(tensor).max())
+
+
+def magnitudes(tensor: Tensor) -> Tensor:
+    """``|tensor|`` as a tolerance's scale reads it, the one copy of the rule: NaN and ``+inf`` count as 0,
+    and so do an additive mask's fills (real values at or below :data:`SENTINEL`)."""
+    tensor = tensor.detach()
+    magnitude = (tensor if tensor.is_floating_point() or tensor.is_complex() else tensor.double()).abs()  # a new tensor
+    if tensor.is_floating_point():
+        magnitude.masked_fill_(tensor <= SENTINEL, 0.0)
+    return magnitude.nan_to_num_(nan=0.0, posinf=0.0)
 
 
 def draw_permutation(length: int, seed: int) -> Tensor:

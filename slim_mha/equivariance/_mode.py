@@ -26,12 +26,13 @@ and the property is equivariance with the mask following the tokens, ``f(P x, P 
 the recomputation passes the permuted mask, which is no longer causal, without the hint. Only a call
 with ``is_causal=True`` and no mask has nothing to permute, and raises.
 
-No side effects: the check follows whatever path the call took and recomputes after it, under
-``no_grad`` on detached inputs, with dropout off in this thread alone (a dropout-free reference is
-recomputed when the call used dropout; the returned tensors are never touched), on copies of the
-module's buffers (a parametrized projection's spectral norm is not advanced), and the permutations
-come from private generators, so the global RNG is neither read nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module,
-and under ``torch.func`` transforms (``vmap``, ``grad``), the check is skipped, so graphs stay free
+No side effects: the check follows whatever path the call took and recomputes after it with slim's
+own path alone, under ``no_grad`` on detached inputs, with ``dropout_p=0`` (no module flag is
+switched; a dropout-free reference is recomputed when the call used dropout; the returned tensors
+are never touched), on copies of the module's buffers (a parametrized projection's spectral norm is
+not advanced), and the permutations come from private generators, so the global RNG is neither read
+nor advanced. While ``torch.compile``/``torch.export`` or ``torch.jit.trace`` trace the module, and
+under ``torch.func`` transforms (``vmap``, ``grad``), the check is skipped, so graphs stay free
 of it and transforms see the plain call.
 """
 
