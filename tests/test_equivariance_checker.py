@@ -19,6 +19,7 @@ from slim_mha import (
     permutation_equivariance_error,
 )
 from slim_mha.equivariance import TOLERANCE, PermutationErrors
+from slim_mha.equivariance._measure import input_share
 from slim_mha.equivariance._measure import draw_permutation
 
 B, N, D = 2, 6, 5
@@ -48,8 +49,10 @@ def test_measuring_returns_numbers_and_no_verdict():
     assert result.input_dims == ((1,),)
     (output,) = result.outputs
     assert output.name == "output" and output.error.dims == (1,) and output.error.max_abs == 0.0
-    # the larger of the output's and the permuted input's magnitudes: rounding grows with both
-    assert output.error.scale == pytest.approx(max(per_token(x).abs().max().item(), x.abs().max().item()))
+    # the larger of the output's magnitude and a share of the permuted input's: rounding grows with both
+    share = input_share(torch.float32)
+    assert share == pytest.approx(32 * torch.finfo(torch.float32).eps / 1e-4)
+    assert output.error.scale == pytest.approx(max(per_token(x).abs().max().item(), share * x.abs().max().item()))
     assert result.submodules is None
 
     broken = permutation_equivariance_error(running_sum, x, dim=1)  # measured, not raised
@@ -119,10 +122,20 @@ def test_tolerance_is_relative_and_overrides_the_table():
 
 
 def test_the_default_tolerance_follows_the_dtype():
+    """The table in float32 and float64; in low precision, what the call rounded against a float32 rerun."""
     for dtype, relative in TOLERANCE.items():
-        result = permutation_equivariance_error(per_token, tokens(B, N, D, dtype=dtype))
-        assert result.outputs[0].error.dtype == dtype
-        assert result.outputs[0].error.tolerance() == pytest.approx(relative * result.outputs[0].error.scale)
+        x = tokens(B, N, D, dtype=dtype)
+        error = permutation_equivariance_error(per_token, x).outputs[0].error
+        assert error.dtype == dtype
+        if dtype in (torch.float32, torch.float64):
+            assert error.rounding is None
+            assert error.tolerance() == pytest.approx(relative * error.scale)
+        else:
+            expected = (per_token(x).double() - per_token(x.float()).double()).abs().max().item()
+            assert error.rounding == pytest.approx(expected)
+            floor = 2 * torch.finfo(dtype).eps * error.scale
+            assert error.tolerance() == pytest.approx(floor + 2 * error.rounding)
+            assert error.tolerance(relative) == pytest.approx(relative * error.scale)  # an explicit one wins
 
 
 def test_nan_matches_nan_but_not_a_number():

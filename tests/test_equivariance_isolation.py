@@ -65,20 +65,24 @@ class SetModel(nn.Module):
         return self.dropout(h * gates)
 
 
-def step(model: nn.Module, check: bool, *, every: int = 1, tokens: int = N, seed: int = 0):
-    """One seeded training step; everything it leaves behind."""
+def step(model: nn.Module, check: bool, *, every: int = 1, tokens: int = N, seed: int = 0, precision: str = ""):
+    """One seeded training step; everything it leaves behind. ``precision``: "bfloat16" runs the
+    model and its input in bfloat16, "autocast" under CPU bfloat16 autocast (the check then reruns
+    the call in float32 to measure its rounding, which must leave the step alone as well)."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    leaf = torch.randn(B, tokens, D, requires_grad=True)
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    leaf = torch.randn(B, tokens, D, dtype=dtype, requires_grad=True)
     x = leaf * 1.0  # an upstream layer's output, as a model's input is: not a leaf
     padding = torch.zeros(B, tokens, dtype=torch.bool)
     if tokens > 2:
         padding[0, -2:] = True
     scope = checking_equivariance(model, dim={"x": 1, "padding": 1}, every=every) if check else _nothing()
-    with scope:
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast")
+    with scope, autocast:
         out = model(x, padding)
-    loss = out.square().mean() + model.aux_loss
+    loss = out.float().square().mean() + model.aux_loss
     loss.backward()
     return {
         "out": out.detach(),
@@ -122,6 +126,18 @@ def test_a_checked_training_step_is_the_unchecked_step_bit_for_bit(habit):
     expected = step(unchecked, check=False)
     actual = step(checked, check=True)  # the check runs (and passes: the model has no position)
     assert_same(actual, expected)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "autocast"])
+@pytest.mark.parametrize("habit", ["", "ema buffer"])
+def test_a_low_precision_step_with_its_float32_rerun_is_the_unchecked_step(habit, precision):
+    unchecked, checked = twins(habit)
+    if precision == "bfloat16":
+        unchecked, checked = unchecked.to(torch.bfloat16), checked.to(torch.bfloat16)
+    expected = step(unchecked, check=False, precision=precision)
+    actual = step(checked, check=True, precision=precision)
+    assert_same(actual, expected)
+    assert all(p.dtype == expected[f"grad {name}"].dtype for name, p in checked.named_parameters())
 
 
 def test_the_auxiliary_loss_attribute_keeps_its_graph():

@@ -88,8 +88,93 @@ def test_a_filled_output_never_hides_a_break(positions):
 
 
 def test_large_positive_inputs_still_set_the_scale():
-    """The rule is about fills: a point cloud far from the origin keeps its wider tolerance."""
+    """The rule is about fills: a point cloud far from the origin keeps a wider tolerance, of a few
+    of its roundings (32 units of float32's last place of 1e4: 3.8e-2), while its centring rounds to 2e-3."""
     points = torch.randn(2, 64, 3) + 1e4
     result = assert_permutation_equivariant(lambda p: p - p.mean(dim=1, keepdim=True), points, dim=1)
-    assert result.outputs[0].error.scale_of == "inputs" and result.outputs[0].error.scale > 9e3
+    error = result.outputs[0].error
+    assert error.scale_of == "inputs" and 0.9 * 32 * 1e4 * 1.19e-7 < error.tolerance() < 32 * 1.1e4 * 1.2e-7
+    assert "max|inputs| 1e+04 x 0.038" in error.describe()
     assert SENTINEL == -1e4
+
+
+class Millimetres(nn.Module):
+    """A point-cloud block: points in millimetres, centred, embedded, normalised and attended over;
+    ``leak`` plants a position table that moves the output by a few percent."""
+
+    def __init__(self, leak: float) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.norm = nn.LayerNorm(D)
+        self.positions = nn.Parameter(leak * torch.randn(N, D))
+        self.attention = slim_mha.SlimMultiheadAttention(D, H, batch_first=True)
+
+    def forward(self, points: Tensor) -> Tensor:
+        centred = points - points.mean(dim=1, keepdim=True)
+        h = self.norm(self.embed(centred / 100.0)) + self.positions
+        return self.attention(h, h, h, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_millimetre_inputs_hide_no_leak_of_a_few_percent(seed):
+    """Inputs of 1e3 once widened the tolerance to 0.1, more than the leak moves this output."""
+    torch.manual_seed(seed)
+    points = 1e3 + 300.0 * torch.randn(B, N, 3)
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(Millimetres(leak=0.02).eval(), points, dim=1, seed=seed)
+    error = caught.value.errors[0]
+    assert error.max_abs < 0.07 * error.scale  # a leak of a few percent of the output
+    assert_permutation_equivariant(Millimetres(leak=0.0).eval(), points, dim=1, seed=seed)
+
+
+class LeakyEncoder(nn.Module):
+    """A LayerNorm-ended encoder with a small position table added to its input."""
+
+    def __init__(self, leak: float, tokens: int = 32, width: int = 64) -> None:
+        super().__init__()
+        with slim_mha.patched():
+            layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.positions = nn.Parameter(leak * torch.randn(tokens, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.encoder(x + self.positions)
+
+
+def low_precision(mode: str, model: nn.Module, x: Tensor):
+    if mode == "autocast":
+        return model, x, torch.autocast("cpu", dtype=torch.bfloat16)
+    dtype = getattr(torch, mode)
+    return model.to(dtype), x.to(dtype), torch.autocast("cpu", enabled=False)
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "float16", "autocast"])
+@pytest.mark.parametrize("seed", range(4))
+def test_low_precision_catches_a_leak_of_four_percent(mode, seed):
+    """The bfloat16 table's 8e-2 let a leak of 4% of the output through: the tolerance is now what
+    the call rounded against a float32 rerun, and the same model without the leak still passes."""
+    torch.manual_seed(seed)
+    model, x, precision = low_precision(mode, LeakyEncoder(leak=0.04).eval(), torch.randn(4, 32, 64))
+    with precision, pytest.raises(EquivarianceError, match="against a float32 rerun") as caught:
+        assert_permutation_equivariant(model, x, dim=1, seed=seed)
+    error = caught.value.errors[0]
+    assert error.rounding is not None and 0.03 < error.max_rel < 0.08  # the old table passed it
+    with precision, pytest.raises(EquivarianceError), checking_equivariance(model, dim=1):
+        model(x)
+    torch.manual_seed(seed)
+    model, x, precision = low_precision(mode, LeakyEncoder(leak=0.0).eval(), torch.randn(4, 32, 64))
+    with precision, checking_equivariance(model, dim=1):
+        model(x)
+    with precision:
+        assert_permutation_equivariant(model, x, dim=1, seed=seed)
+
+
+def test_low_precision_without_a_rerun_falls_back_to_the_table():
+    """A function around a bfloat16 module the check was not told of cannot be rerun in float32 (the
+    dtypes clash): the table's tolerance applies, and the report says which."""
+    projection = nn.Linear(16, 16).to(torch.bfloat16)
+    x = torch.randn(2, 10, 16, dtype=torch.bfloat16)
+    error = assert_permutation_equivariant(lambda x: projection(x), x, dim=1).outputs[0].error
+    assert error.rounding is None and "(bfloat16: 8e-02 x max|" in error.describe()
+    told = assert_permutation_equivariant(lambda x: projection(x), x, dim=1, module=projection).outputs[0].error
+    assert told.rounding is not None and "against a float32 rerun" in told.describe()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from . import _context
+from . import _context, _rerun
 from ._inputs import (
     SAME_AS_DIM,
     InputPlan,
@@ -53,10 +53,12 @@ from ._measure import (
     EquivarianceError,
     TensorError,
     draw_permutation,
+    input_share,
     less_precise,
     magnitudes,
     measure_error,
     permute,
+    rounding_of,
     tolerance_dtype,
 )
 from ._report import (
@@ -179,8 +181,13 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
         rewind()
         with recording(record, include_root=wraps_module) as permuted_calls:
             result = fn(*permuted, **kwargs)
+        reference_leaves, result_leaves = flatten(reference, "output"), flatten(result, "output")
+        rerun, rerun_calls = None, None
+        if _rerun.wanted(reference_leaves):  # low precision: measure what this call rounds
+            rewind()
+            with recording(record, include_root=wraps_module) as rerun_calls:
+                rerun = _rerun.float32_rerun(fn, _copies(call.inputs), kwargs, module)
 
-    reference_leaves, result_leaves = flatten(reference, "output"), flatten(result, "output")
     if [name for name, _ in reference_leaves] != [name for name, _ in result_leaves]:
         raise ValueError(
             f"fn returned different structures for the original and the permuted inputs "
@@ -195,15 +202,16 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
         )
     expected_dims = output_dims(call.output_dim, call.dim, plan.dims, reference_leaves, plan.length)
     scale = _input_scale(call.inputs, plan)
+    reruns = _matching(reference_leaves, None if rerun is None else flatten(rerun, "output"))
     outputs = tuple(
-        _check_output(name, actual, expected, dims, plan.length, permutation, scale)
+        _check_output(name, actual, expected, dims, plan.length, permutation, scale, again)
         if isinstance(expected, Tensor) and isinstance(actual, Tensor)
         else _check_other_output(name, actual, expected)
-        for (name, expected), (_, actual), dims in zip(reference_leaves, result_leaves, expected_dims)
+        for (name, expected), (_, actual), dims, again in zip(reference_leaves, result_leaves, expected_dims, reruns)
     )
     submodule_checks, note = (None, "")
     if submodules and module is not None:
-        submodule_checks, note = compare_calls(original_calls, permuted_calls, plan.length, permutation)
+        submodule_checks, note = compare_calls(original_calls, permuted_calls, plan.length, permutation, rerun_calls)
     return PermutationErrors(
         subject=call.subject or subject_of(fn),
         outputs=outputs,
@@ -228,6 +236,13 @@ def _copies(inputs: tuple) -> tuple:
     return tuple(copies[id(x)] if isinstance(x, Tensor) else x for x in inputs)
 
 
+def _matching(leaves: list, rerun_leaves: list | None) -> list:
+    """Each leaf's float32 rerun, or ``None`` (no rerun, or one of another structure)."""
+    if rerun_leaves is None or [name for name, _ in rerun_leaves] != [name for name, _ in leaves]:
+        return [None] * len(leaves)
+    return [leaf for _, leaf in rerun_leaves]
+
+
 def _check_output(
     name: str,
     actual: Tensor,
@@ -236,16 +251,22 @@ def _check_output(
     length: int,
     permutation: Tensor,
     input_scale: float = 0.0,
+    rerun: Tensor | None = None,
 ) -> OutputCheck:
     """One tensor output against each reading. The tolerance is relative to the larger of the output's
-    and the permuted inputs' magnitudes: a rounding error grows with the numbers summed, and a
-    layer that subtracts large inputs (a point cloud far from the origin) keeps their rounding."""
+    magnitude and a share of the permuted inputs' (:func:`input_share`): a layer that subtracts large
+    inputs (a point cloud far from the origin) keeps a few of their roundings. In low precision with
+    a float32 ``rerun``, it is what the call rounded (:meth:`TensorError.tolerance`)."""
 
     dtype = less_precise(actual.dtype, tolerance_dtype(expected))  # under autocast: the dtype it computed in
+    inputs = input_scale * input_share(dtype)
+    rounding = None if rerun is None else rounding_of(dtype, expected, rerun)
 
     def error_for(reading: tuple[int, ...]):
         error = measure_error(name, actual, permute(expected, reading, permutation), reading, dtype)
-        return replace(error, scale=input_scale, scale_of="inputs") if error.scale < input_scale else error
+        if rounding is not None:  # the rerun measured the rounding the inputs' scale stands in for
+            return replace(error, rounding=rounding)
+        return replace(error, scale=inputs, scale_of="inputs") if error.scale < inputs else error
 
     alternatives = tuple(error_for(reading) for reading in readings(expected, length) if reading != dims)
     return OutputCheck(name, error_for(dims), alternatives)

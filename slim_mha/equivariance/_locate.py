@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._context import type_name
-from ._measure import TensorError, measure_error, permute
+from ._measure import TensorError, less_precise, measure_error, permute, rounding_of
 
 __all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
 
@@ -379,23 +379,39 @@ def readings(tensor: Tensor, length: int) -> list[tuple[int, ...]]:
     return result
 
 
-def _measure_readings(before: list, after: list, length: int, permutation: Tensor) -> tuple:
+def _measure_readings(before: list, after: list, length: int, permutation: Tensor, rerun: list | None) -> tuple:
+    """Each tensor against each reading; in low precision, with its rounding against the float32
+    rerun's same tensor where the rerun made the same call with the same tensors."""
+    if rerun is None or [name for name, _ in rerun] != [name for name, _ in before]:
+        rerun = [(name, None) for name, _ in before]
     return tuple(
         tuple(
-            measure_error(name, actual, permute(expected, reading, permutation), reading)
+            replace(
+                measure_error(name, actual, permute(expected, reading, permutation), reading),
+                rounding=None
+                if again is None
+                else rounding_of(less_precise(actual.dtype, expected.dtype), expected, again),
+            )
             for reading in readings(expected, length)
         )
-        for (name, expected), (_, actual) in zip(before, after)
+        for (name, expected), (_, actual), (_, again) in zip(before, after, rerun)
     )
 
 
 def compare_calls(
-    original: list[_Call], permuted: list[_Call], length: int, permutation: Tensor
+    original: list[_Call],
+    permuted: list[_Call],
+    length: int,
+    permutation: Tensor,
+    rerun: list[_Call] | None = None,
 ) -> tuple[tuple[SubmoduleCheck, ...], str]:
-    """Each call of the original run against the same call of the permuted run, in finishing order."""
+    """Each call of the original run against the same call of the permuted run, in finishing order;
+    ``rerun``: the float32 rerun's calls, whose outputs give each tensor's rounding in low precision."""
     checks = []
     note = ""
+    same_calls = rerun is not None and [(c.name, c.call) for c in rerun] == [(c.name, c.call) for c in original]
     for index, (before, after) in enumerate(zip(original, permuted)):
+        again = rerun[index] if same_calls else None
         if (before.name, before.call) != (after.name, after.call):
             note = (
                 f"submodule calls diverge at call {index}: '{before.name}' ran on the original inputs but "
@@ -410,13 +426,17 @@ def compare_calls(
             forward=before.forward,
         )
         inputs_match = [name for name, _ in before.inputs] == [name for name, _ in after.inputs]
-        inputs = _measure_readings(before.inputs, after.inputs, length, permutation) if inputs_match else ()
+        inputs = (
+            _measure_readings(before.inputs, after.inputs, length, permutation, again and again.inputs)
+            if inputs_match
+            else ()
+        )
         if [name for name, _ in before.outputs] != [name for name, _ in after.outputs]:
             checks.append(
                 SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs", inputs, **fields)
             )
             continue
-        outputs = _measure_readings(before.outputs, after.outputs, length, permutation)
+        outputs = _measure_readings(before.outputs, after.outputs, length, permutation, again and again.outputs)
         checks.append(SubmoduleCheck(before.name, before.type_name, before.call, outputs, "", inputs, **fields))
     if not note and len(original) != len(permuted):
         note = f"{len(original)} submodule calls on the original inputs but {len(permuted)} on the permuted ones"

@@ -1,8 +1,11 @@
-"""The numbers behind every check: the tolerance table, one tensor's error, the permutations, the error type.
+"""The numbers behind every check: the tolerances, one tensor's error, the permutations, the error type.
 
 An error is always measured against what the output *should* be (the reference output permuted,
-or left alone) and reported relative to the reference's largest finite magnitude, so that one
-relative tolerance per dtype serves outputs of any scale.
+or left alone). In float32 and float64 it is judged relative to the reference's largest finite
+magnitude, so that one relative tolerance per dtype serves outputs of any scale. In bfloat16 and
+float16 a call's rounding varies too much for one number (a sharp softmax rounds to 4% of the
+output, a smooth one to nothing), so where the check could rerun the call in float32 the tolerance
+is what that call rounded: see :meth:`TensorError.tolerance`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ __all__ = [
     "magnitudes",
     "TensorError",
     "tolerance_for",
+    "input_share",
+    "rounding_of",
     "tolerance_dtype",
     "measure_error",
     "draw_permutation",
@@ -40,6 +45,22 @@ TOLERANCE: dict[torch.dtype, float] = {
 }
 
 
+# Low precision with a measured rounding (a float32 rerun of the same call): the tolerance is
+# ROUNDING_FLOOR_ULPS units in the last place of max|expected| plus ROUNDING_HEADROOM times the
+# reference's largest difference from the rerun. Each run of a correct call lies about that far
+# from the value it rounds, the permuted run on its side and the reference on the other: twice
+# the rounding, and two units for a permuted run that rounds a little further than the reference.
+# A leak of 4% of a bfloat16 output (5 units) is then caught where one rounding unit is all the call
+# rounds, as in a LayerNorm-ended encoder; calls that round more get more room, in proportion.
+ROUNDING_HEADROOM = 2.0
+ROUNDING_FLOOR_ULPS = 2.0
+
+# A tolerance relative to the inputs' scale counts one input magnitude as this many rounding units
+# of the dtype: a layer that subtracts large inputs (a point cloud far from the origin) keeps a few
+# of their roundings, not a share of them as large as the output's relative tolerance.
+INPUT_ROUNDING_ULPS = 32.0
+
+
 # Values at or below this are an additive mask's fill (``finfo.min``, -1e9 and -1e4 are the fills in
 # use; softmax sends them to zero): they never set the scale a tolerance is relative to, in the
 # inputs or in an output (``scores.masked_fill(pad, -1e9)``), or they would hide any real break.
@@ -57,6 +78,33 @@ def tolerance_for(dtype: torch.dtype) -> float:
         return 0.0
     # Narrower floats (float8) than the table covers: scale bfloat16's entry by the precision lost.
     return TOLERANCE[torch.bfloat16] * max(1.0, torch.finfo(dtype).eps / torch.finfo(torch.bfloat16).eps)
+
+
+def input_share(dtype: torch.dtype) -> float:
+    """How much of the inputs' largest magnitude enters the scale a tolerance is relative to: at most
+    :data:`INPUT_ROUNDING_ULPS` rounding units of ``dtype`` in all (0.038 in float32: a point cloud
+    1e3 from the origin allows 3.8e-3 of error, not 0.1)."""
+    if not dtype.is_floating_point:
+        return 0.0
+    return min(1.0, INPUT_ROUNDING_ULPS * torch.finfo(dtype).eps / tolerance_for(dtype))
+
+
+def _low_precision(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+
+
+def rounding_of(dtype: torch.dtype, reference: Tensor, rerun: Tensor) -> float | None:
+    """The largest difference between a low-precision reference and its float32 rerun, over the
+    entries both hold finite values for and neither holds a mask fill (``None`` when the dtype is
+    not low precision or the shapes differ)."""
+    if not _low_precision(dtype) or reference.shape != rerun.shape or not reference.is_floating_point():
+        return None
+    if reference.numel() == 0:
+        return 0.0
+    with torch.no_grad():
+        a, b = reference.detach().double(), rerun.detach().to(reference.device, torch.float64)
+        kept = torch.isfinite(a) & torch.isfinite(b) & (a > SENTINEL) & (b > SENTINEL)
+        return float((a - b).abs_().masked_fill_(~kept, 0.0).max())
 
 
 def tolerance_dtype(output: Tensor) -> torch.dtype:
@@ -94,6 +142,10 @@ class TensorError:
             that is larger (``scale_of`` says which).
         where: the index of the largest error, or ``None`` when there is none to point at.
         note: why the error is infinite, when it is.
+        scale_of: what ``scale`` is: ``"expected"`` (its largest magnitude), or ``"inputs"`` (the
+            inputs' largest magnitude times :func:`input_share`).
+        rounding: in low precision, the expected tensor's largest difference from a float32 rerun
+            of the same call; ``None`` where there was none (then the table's tolerance applies).
     """
 
     name: str
@@ -104,7 +156,8 @@ class TensorError:
     scale: float
     where: tuple[int, ...] | None = None
     note: str = ""
-    scale_of: str = "expected"  # what ``scale`` is the largest magnitude of: "expected", or "inputs"
+    scale_of: str = "expected"
+    rounding: float | None = None
 
     @property
     def max_rel(self) -> float:
@@ -114,9 +167,16 @@ class TensorError:
         return self.max_abs / self.scale if self.scale > 0.0 else float("inf")
 
     def tolerance(self, relative: float | None = None) -> float:
-        """The absolute tolerance: ``relative`` (default: the dtype table's entry) times ``scale``."""
+        """The absolute tolerance: ``relative`` times ``scale``; by default, the call's own rounding
+        where it was measured (``ROUNDING_FLOOR_ULPS`` units of ``scale`` plus ``ROUNDING_HEADROOM``
+        times ``rounding``), else the dtype table's entry times ``scale``."""
+        if relative is None and self.rounding is not None:
+            return self._floor() * self.scale + ROUNDING_HEADROOM * self.rounding
         relative = tolerance_for(self.dtype) if relative is None else relative
         return relative * self.scale
+
+    def _floor(self) -> float:
+        return ROUNDING_FLOOR_ULPS * torch.finfo(self.dtype).eps
 
     def passed(self, relative: float | None = None) -> bool:
         return self.max_abs <= self.tolerance(relative)
@@ -127,15 +187,26 @@ class TensorError:
         ``max abs error 3.1e-01 at [0, 4, 2] > tolerance 4.2e-05 (float32: 1e-04 x max|expected| 0.42),
         max rel error 7.4e-01``
         """
-        relative_used = tolerance_for(self.dtype) if relative is None else relative
-        source = f"{_dtype_name(self.dtype)}: " if relative is None else ""
         verdict = "<=" if self.passed(relative) else ">"
         where = f" at {format_indices(self.where)}" if self.where is not None and self.max_abs > 0 else ""
         note = f" ({self.note})" if self.note else ""
         return (
             f"max abs error {self.max_abs:.2e}{where}{note} {verdict} tolerance {self.tolerance(relative):.2e} "
-            f"({source}{relative_used:.0e} x max|{self.scale_of}| {self.scale:.3g}), max rel error {self.max_rel:.2e}"
+            f"({self._tolerance_source(relative)}), max rel error {self.max_rel:.2e}"
         )
+
+    def _tolerance_source(self, relative: float | None) -> str:
+        scale = f"max|{self.scale_of}| {self.scale:.3g}"
+        if self.scale_of == "inputs":
+            scale = f"max|inputs| {self.scale / input_share(self.dtype):.3g} x {input_share(self.dtype):.2g}"
+        if relative is not None:
+            return f"{relative:.0e} x {scale}"
+        if self.rounding is not None:
+            return (
+                f"{_dtype_name(self.dtype)}: {self._floor():.0e} x {scale} + {ROUNDING_HEADROOM:g} x its rounding "
+                f"{self.rounding:.2e} against a float32 rerun"
+            )
+        return f"{_dtype_name(self.dtype)}: {tolerance_for(self.dtype):.0e} x {scale}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
