@@ -19,8 +19,7 @@ from slim_mha import (
     permutation_equivariance_error,
 )
 from slim_mha.equivariance import TOLERANCE, PermutationErrors
-from slim_mha.equivariance._measure import input_share
-from slim_mha.equivariance._measure import draw_permutation
+from slim_mha.equivariance._measure import draw_permutation, input_share
 
 B, N, D = 2, 6, 5
 
