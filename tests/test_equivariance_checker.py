@@ -19,7 +19,7 @@ from slim_mha import (
     permutation_equivariance_error,
 )
 from slim_mha.equivariance import TOLERANCE, PermutationErrors
-from slim_mha.equivariance._measure import draw_permutation, input_share
+from slim_mha.equivariance._measure import draw_permutation, draw_permutations, input_share
 
 B, N, D = 2, 6, 5
 
@@ -44,7 +44,8 @@ def test_measuring_returns_numbers_and_no_verdict():
     x = tokens(B, N, D)
     result = permutation_equivariance_error(per_token, x, dim=1, seed=4)
     assert isinstance(result, PermutationErrors)
-    assert torch.equal(result.permutation, draw_permutation(N, 4)) and result.seed == 4
+    assert torch.equal(result.permutation, draw_permutations(N, 4, B)) and result.seed == 4  # one per sample
+    assert torch.equal(result.permutation[0], draw_permutation(N, 4))
     assert result.input_dims == ((1,),)
     (output,) = result.outputs
     assert output.name == "output" and output.error.dims == (1,) and output.error.max_abs == 0.0
@@ -97,8 +98,12 @@ def test_assert_fails_on_an_order_dependent_function():
     assert "(float64: 1e-10 x max|expected|" in message
     assert "it is neither unchanged nor permuted along any axis of length 6" in message
     assert "(fn is not an nn.Module: pass module=... to find the submodule that breaks it)" in message
-    assert f"permutation (seed 3, 6 tokens): {draw_permutation(N, 3).tolist()}; permuted: input 0 on dim 1" in message
-    assert error.seed == 3 and torch.equal(error.permutations["inputs"], draw_permutation(N, 3))
+    assert (
+        f"permutations, one per sample (seed 3, {B} samples of 6 tokens, sample b's drawn as "
+        f"draw_permutation(6, 3 + b % 8)): sample 0: {draw_permutation(N, 3).tolist()}; "
+        f"sample 1: {draw_permutation(N, 4).tolist()}; permuted: input 0 on dim 1"
+    ) in message
+    assert error.seed == 3 and torch.equal(error.permutations["inputs"], draw_permutations(N, 3, B))
     assert error.errors[0].where is not None and error.result.outputs[0].error is error.errors[0]
 
 

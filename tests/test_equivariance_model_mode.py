@@ -155,7 +155,8 @@ def test_a_position_table_added_inline_is_caught_and_named_by_its_lines(measured
         f"the break is in the code in `SetModel.forward` between `embed` (call 1) and `attention` (call 1) "
         f"({_path()}, lines {first}-{last})"
     ) in message
-    assert f"permutation (seed {caught.value.seed}, {N} tokens): " in message and "; permuted: x on dim 1" in message
+    assert f"permutations, one per sample (seed {caught.value.seed}, {B} samples of {N} tokens" in message
+    assert "; permuted: x on dim 1" in message
     assert caught.value.module_name == ""
     assert caught.value.result.culprit().kind == "code"
     assert torch.equal(caught.value.permutations["inputs"], caught.value.result.permutation)

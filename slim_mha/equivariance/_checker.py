@@ -52,7 +52,8 @@ from ._locate import (
 from ._measure import (
     EquivarianceError,
     TensorError,
-    draw_permutation,
+    can_permute,
+    draw_permutations,
     input_share,
     less_precise,
     magnitudes,
@@ -60,6 +61,7 @@ from ._measure import (
     permute,
     rounding_of,
     tolerance_dtype,
+    unpermutable,
 )
 from ._report import (
     OutputCheck,
@@ -164,9 +166,9 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
     if permutation is None:
         if seed is None:  # the callers give one or the other
             raise ValueError("measure needs a seed to draw a permutation from, or the permutation")
-        permutation = draw_permutation(plan.length, seed)
+        permutation = draw_permutations(plan.length, seed, plan.samples)
     else:
-        permutation, seed = checked_permutation(permutation, plan.length), None
+        permutation, seed = checked_permutation(permutation, plan), None
     module, fn, kwargs = call.module, call.fn, call.kwargs
     # Each run gets copies: a model that edits its input in place (x.masked_fill_) edits neither the
     # caller's tensors (whose graph would then fail backward) nor the other run's.
@@ -263,6 +265,8 @@ def _check_output(
     rounding = None if rerun is None else rounding_of(dtype, expected, rerun)
 
     def error_for(reading: tuple[int, ...]):
+        if not can_permute(expected, reading, permutation):
+            return unpermutable(name, actual, reading, permutation, dtype)
         error = measure_error(name, actual, permute(expected, reading, permutation), reading, dtype)
         if rounding is not None:  # the rerun measured the rounding the inputs' scale stands in for
             return replace(error, rounding=rounding)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._measure import format_indices, permute
+from ._measure import batch_axis, format_indices, permute
 from ._report import format_shape
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "checked_permutation",
     "input_plan",
     "output_dims",
+    "per_sample",
     "permute_inputs",
 ]
 
@@ -44,12 +45,14 @@ class InputPlan:
 
     dims: the axes each input is moved along (``()``: not moved). relabelled: the inputs that hold
     token indices (``edge_index``): each value ``i`` becomes the new position of token ``i``.
-    length: the number of tokens.
+    length: the number of tokens. samples: the batch size where each sample gets a permutation of
+    its own (:func:`per_sample`), else 0.
     """
 
     dims: tuple[tuple[int, ...], ...]
     relabelled: tuple[int, ...]
     length: int
+    samples: int = 0
 
 
 class TooFewTokens(ValueError):
@@ -99,9 +102,7 @@ def input_plan(dim, inputs: tuple) -> InputPlan:
                     entry, None if x is None else getattr(x, "ndim", None), f"{where} for input {index} {_shape_of(x)}"
                 )
             )
-    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, tuple(dims)))
-    _check_indices(inputs, plan)
-    return plan
+    return _planned(inputs, tuple(dims), tuple(relabelled))
 
 
 def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
@@ -129,9 +130,36 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
             continue  # position ids belong to the slots, not the tokens: left as they are
         else:
             dims[index] = _axes_of(axis, x.ndim, f"dim for input {index} {_shape_of(x)}")
-    plan = InputPlan(tuple(dims), tuple(relabelled), _token_count(inputs, tuple(dims)))
+    return _planned(inputs, tuple(dims), tuple(relabelled))
+
+
+def _planned(inputs: tuple, dims: tuple[tuple[int, ...], ...], relabelled: tuple[int, ...]) -> InputPlan:
+    plan = InputPlan(dims, relabelled, _token_count(inputs, dims), per_sample(inputs, dims, relabelled))
     _check_indices(inputs, plan)
     return plan
+
+
+def per_sample(inputs: tuple, dims: tuple[tuple[int, ...], ...], relabelled: tuple[int, ...]) -> int:
+    """The batch size, where each sample of the batch can get a permutation of its own; else 0.
+
+    The batch axis is read from the first floating-point input that moves (else the first input that
+    moves): axis 0 when its tokens are elsewhere (``(B, L, E)``, ``(B, C, L)``), axis 1 when they are on
+    axis 0 of a tensor of 3 or more axes (sequence-first ``(L, B, E)``); a ``(N, C)`` set has none. Every
+    other input that moves needs an axis of that size besides its tokens (a ``(B, L)`` mask has one, an
+    ``(L, L)`` mask shared by the batch has not), and nothing may be relabelled (``edge_index`` numbers
+    the nodes of the whole batch); else one permutation moves every sample alike.
+    """
+    moved = [(x, axes) for x, axes in zip(inputs, dims) if axes]
+    if relabelled or not moved:
+        return 0
+    first, axes = next(((x, axes) for x, axes in moved if x.is_floating_point()), moved[0])
+    axis = 0 if axes[0] != 0 else (1 if first.ndim >= 3 else None)
+    if axis is None or axis in axes or first.shape[axis] < 2:
+        return 0
+    samples = first.shape[axis]
+    if any(batch_axis(tuple(x.shape), axes, samples) is None for x, axes in moved):
+        return 0
+    return samples
 
 
 def _holds_positions(x: Tensor, axis: int) -> bool:
@@ -200,9 +228,24 @@ def _token_count(inputs: tuple, input_dims: tuple[tuple[int, ...], ...]) -> int:
     return first[2]
 
 
-def checked_permutation(permutation, length: int) -> Tensor:
+def checked_permutation(permutation, plan: InputPlan) -> Tensor:
+    """A given permutation: ``(length,)`` for every sample alike, or ``(samples, length)``, a row per sample."""
+    length = plan.length
     permutation = torch.as_tensor(permutation).to("cpu", torch.int64)
-    if permutation.shape != (length,) or not torch.equal(permutation.sort().values, torch.arange(length)):
+    if permutation.ndim == 2 and permutation.shape[0] != plan.samples:
+        held = (
+            f"{plan.samples} samples each with a permutation of its own" if plan.samples else "no batch axis to follow"
+        )
+        raise ValueError(
+            f"permutation has {permutation.shape[0]} rows, one per sample, but the inputs have {held}: "
+            f"pass one permutation of {length} tokens for all"
+        )
+    rows = permutation.reshape(-1, permutation.shape[-1]) if permutation.ndim else permutation.reshape(1, 1)
+    if (
+        permutation.ndim not in (1, 2)
+        or rows.shape[-1] != length
+        or not all(torch.equal(row.sort().values, torch.arange(length)) for row in rows)
+    ):
         raise ValueError(
             f"permutation must contain each of 0..{length - 1} exactly once (the inputs have {length} tokens), "
             f"got {format_indices(permutation.reshape(-1))}"
@@ -245,11 +288,11 @@ def output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[
 def permute_inputs(inputs: tuple, plan: InputPlan, permutation: Tensor) -> tuple:
     # Permute a tensor passed twice once, so `query is key` holds in the permuted call as well.
     done: dict[tuple[int, tuple[int, ...]], Tensor] = {}
-    new_position = torch.empty_like(permutation)
-    new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
     permuted = []
     for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
-        if index in plan.relabelled:
+        if index in plan.relabelled:  # only with one permutation for all samples (see per_sample)
+            new_position = torch.empty_like(permutation)
+            new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
             permuted.append(new_position.to(x.device, x.dtype)[x])
             continue
         if not dims:

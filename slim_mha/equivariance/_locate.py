@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._context import type_name
-from ._measure import TensorError, less_precise, measure_error, permute, rounding_of
+from ._measure import TensorError, can_permute, less_precise, measure_error, permute, rounding_of, unpermutable
 
 __all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
 
@@ -384,16 +384,16 @@ def _measure_readings(before: list, after: list, length: int, permutation: Tenso
     rerun's same tensor where the rerun made the same call with the same tensors."""
     if rerun is None or [name for name, _ in rerun] != [name for name, _ in before]:
         rerun = [(name, None) for name, _ in before]
+
+    def error(name: str, actual: Tensor, expected: Tensor, again: Tensor | None, reading: tuple[int, ...]):
+        dtype = less_precise(actual.dtype, expected.dtype)
+        if not can_permute(expected, reading, permutation):
+            return unpermutable(name, actual, reading, permutation, dtype)
+        measured = measure_error(name, actual, permute(expected, reading, permutation), reading)
+        return replace(measured, rounding=None if again is None else rounding_of(dtype, expected, again))
+
     return tuple(
-        tuple(
-            replace(
-                measure_error(name, actual, permute(expected, reading, permutation), reading),
-                rounding=None
-                if again is None
-                else rounding_of(less_precise(actual.dtype, expected.dtype), expected, again),
-            )
-            for reading in readings(expected, length)
-        )
+        tuple(error(name, actual, expected, again, reading) for reading in readings(expected, length))
         for (name, expected), (_, actual), (_, again) in zip(before, after, rerun)
     )
 

@@ -27,6 +27,10 @@ __all__ = [
     "tolerance_dtype",
     "measure_error",
     "draw_permutation",
+    "draw_permutations",
+    "batch_axis",
+    "can_permute",
+    "unpermutable",
     "permute",
     "format_indices",
 ]
@@ -342,11 +346,69 @@ def _prime_factors(number: int) -> list[int]:
     return factors + ([number] if number > 1 else [])
 
 
+# Samples beyond this many reuse the draws in turn: a model that mixes samples is caught as soon as
+# two of them move differently, and drawing stays cheap for a batch of thousands.
+DISTINCT_DRAWS = 8
+
+
+def draw_permutations(length: int, seed: int, samples: int) -> Tensor:
+    """One permutation per sample, ``(samples, length)``; a single one ``(length,)`` when ``samples`` is 0.
+
+    Sample ``b`` takes ``draw_permutation(length, seed + b % DISTINCT_DRAWS)``: a model that mixes the
+    samples of a batch (attention across the batch axis, ``h - h.mean(0)``) no longer hides behind a
+    permutation they all share. Sample 0's is the one a shared check with the same seed draws.
+    """
+    if samples == 0:
+        return draw_permutation(length, seed)
+    draws = [draw_permutation(length, seed + b) for b in range(min(samples, DISTINCT_DRAWS))]
+    return torch.stack([draws[b % len(draws)] for b in range(samples)])
+
+
+def batch_axis(shape: tuple[int, ...], dims: tuple[int, ...], samples: int) -> int | None:
+    """The axis that holds the ``samples`` of a batch: the first one besides ``dims`` of that size."""
+    return next((axis for axis, size in enumerate(shape) if size == samples and axis not in dims), None)
+
+
+def can_permute(tensor: Tensor, dims: tuple[int, ...], permutation: Tensor) -> bool:
+    """Whether :func:`permute` can move ``tensor``: always for one permutation, and for one per sample
+    when the tensor has a batch axis besides ``dims`` (or ``dims`` is empty)."""
+    return permutation.ndim == 1 or not dims or batch_axis(tuple(tensor.shape), dims, permutation.shape[0]) is not None
+
+
+def unpermutable(
+    name: str, actual: Tensor, dims: tuple[int, ...], permutation: Tensor, dtype: torch.dtype
+) -> TensorError:
+    """The error of a tensor that carries tokens but no batch axis, checked with a permutation per
+    sample: its tokens cannot follow (the model pooled or mixed the samples), so it never passes."""
+    note = (
+        f"no axis of the batch's {permutation.shape[0]} samples besides its tokens, so they cannot follow a "
+        "permutation per sample: the model mixes the samples of a batch, or pass permutation= with one "
+        "permutation of the tokens for all"
+    )
+    return TensorError(name, tuple(actual.shape), dtype, dims, float("inf"), 0.0, None, note)
+
+
 def permute(tensor: Tensor, dims: tuple[int, ...], permutation: Tensor) -> Tensor:
-    """``tensor`` with ``permutation`` applied along each axis in ``dims``: ``out[i] = tensor[permutation[i]]``."""
+    """``tensor`` with ``permutation`` applied along each axis in ``dims``: ``out[i] = tensor[permutation[i]]``.
+
+    A ``(samples, length)`` permutation moves each sample's tokens by its own row, along the
+    tensor's batch axis (:func:`batch_axis`); check :func:`can_permute` first.
+    """
     index = permutation.to(tensor.device)
+    if index.ndim == 1:
+        for dim in dims:
+            tensor = tensor.index_select(dim, index)
+        return tensor
+    if not dims:
+        return tensor
+    batch = batch_axis(tuple(tensor.shape), dims, index.shape[0])
+    if batch is None:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} has no axis of {index.shape[0]} samples")
     for dim in dims:
-        tensor = tensor.index_select(dim, index)
+        shape = [1] * tensor.ndim
+        shape[batch], shape[dim] = index.shape
+        rows = index if batch < dim else index.t()  # the view below lays the two axes out in order
+        tensor = tensor.gather(dim, rows.reshape(shape).expand(tensor.shape))
     return tensor
 
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._context import type_name
 from ._locate import Culprit, SubmoduleCheck, describe_trailing_code, find_culprit
-from ._measure import TensorError, format_indices
+from ._measure import DISTINCT_DRAWS, TensorError, format_indices
 
 __all__ = [
     "OutputCheck",
@@ -126,7 +126,7 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
             lines.append(
                 f"    it is {observed} instead"
                 if observed
-                else f"    it is neither unchanged nor permuted along any axis of length {len(result.permutation)}"
+                else f"    it is neither unchanged nor permuted along any axis of length {result.permutation.shape[-1]}"
             )
     if broken:
         lines.extend(_locate_lines(result, tolerance, broken))
@@ -136,12 +136,25 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
         if dims
     )
     relabelled = ", ".join(result.input_name(index) for index in result.relabelled)
-    seed = f"seed {result.seed}" if result.seed is not None else "given"
     lines.append(
-        f"  permutation ({seed}, {len(result.permutation)} tokens): {format_indices(result.permutation)}; "
-        f"permuted: {inputs}" + (f"; relabelled as token indices: {relabelled}" if relabelled else "")
+        f"  {format_permutation(result.permutation, result.seed)}; permuted: {inputs}"
+        + (f"; relabelled as token indices: {relabelled}" if relabelled else "")
     )
     return "\n".join(lines)
+
+
+def format_permutation(permutation: Tensor, seed: int | None) -> str:
+    """``permutation (seed 7, 10 tokens): [...]``, or, one per sample, the first rows and where they come from."""
+    drawn = f"seed {seed}" if seed is not None else "given"
+    if permutation.ndim == 1:
+        return f"permutation ({drawn}, {len(permutation)} tokens): {format_indices(permutation)}"
+    samples, length = permutation.shape
+    rows = "; ".join(f"sample {b}: {format_indices(permutation[b], limit=12)}" for b in range(min(samples, 2)))
+    source = (
+        f", sample b's drawn as draw_permutation({length}, {seed} + b % {DISTINCT_DRAWS})" if seed is not None else ""
+    )
+    more = f"; ... ({samples - 2} more samples)" if samples > 2 else ""
+    return f"permutations, one per sample ({drawn}, {samples} samples of {length} tokens{source}): {rows}{more}"
 
 
 def blamed_module(result: PermutationErrors, tolerance: float | None) -> str | None:
