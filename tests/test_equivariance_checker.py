@@ -98,10 +98,11 @@ def test_assert_fails_on_an_order_dependent_function():
     assert "(float64: 1e-10 x max|expected|" in message
     assert "it is neither unchanged nor permuted along any axis of length 6" in message
     assert "(fn is not an nn.Module: pass module=... to find the submodule that breaks it)" in message
+    drawn = draw_permutations(N, 3, B)
     assert (
-        f"permutations, one per sample (seed 3, {B} samples of 6 tokens, sample b's drawn as "
-        f"draw_permutation(6, 3 + b % 8)): sample 0: {draw_permutation(N, 3).tolist()}; "
-        f"sample 1: {draw_permutation(N, 4).tolist()}; permuted: input 0 on dim 1"
+        f"permutations, one per sample (seed 3, {B} samples of 6 tokens, as draw_permutations(6, 3, {B}) "
+        f"draws them): sample 0: {draw_permutation(N, 3).tolist()}; sample 1: {drawn[1].tolist()}; "
+        "permuted: input 0 on dim 1"
     ) in message
     assert error.seed == 3 and torch.equal(error.permutations["inputs"], draw_permutations(N, 3, B))
     assert error.errors[0].where is not None and error.result.outputs[0].error is error.errors[0]

@@ -25,7 +25,7 @@ from slim_mha import (
 from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
 
 pytest.importorskip("torch_geometric")
-from torch_geometric.nn import GINConv, GPSConv  # noqa: E402
+from torch_geometric.nn import GATConv, GCNConv, GINConv, GPSConv  # noqa: E402
 
 CHANNELS, HEADS, NODES = 16, 4, 12
 
@@ -110,3 +110,30 @@ def test_edges_that_do_not_follow_the_nodes_are_caught_in_the_message_passing():
     # The integer edge_index is not judged; the gathered messages are the first broken tensor.
     assert (culprit.kind, caught.value.module_name, culprit.submodule.name) == ("code", "conv", "conv.aggr_module")
     assert culprit.code == "the code in `MessagePassing.aggregate` before `conv.aggr_module` (call 1)"
+
+
+@pytest.mark.parametrize("conv", [GCNConv, GATConv])
+def test_a_break_after_a_conv_that_appends_self_loops_is_blamed_after_it(conv):
+    """GCNConv and GATConv append a self-loop per node after the edges: their per-edge messages
+    are neither unchanged nor permuted while their per-node output is. The blame lands on the code
+    that breaks the property after the conv, not on the conv's own bookkeeping."""
+
+    class AfterConv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = conv(CHANNELS, CHANNELS)
+            self.positions = nn.Parameter(torch.randn(NODES, CHANNELS))
+
+        def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+            return self.conv(x, edge_index) + self.positions  # planted after the conv
+
+    torch.manual_seed(0)
+    features, adjacency = graph()
+    model = AfterConv()
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(model, features, edges(adjacency), dim=0)
+    assert caught.value.module_name == ""
+    message = str(caught.value)
+    assert "no submodule call breaks it" in message and "AfterConv.forward` after `conv` (call 1)" in message
+    model.positions.data.zero_()
+    assert_permutation_equivariant(model, features, edges(adjacency), dim=0)

@@ -110,3 +110,82 @@ def test_a_given_permutation_per_sample_is_used_and_checked():
         assert_permutation_equivariant(lambda h: h, x, dim=1, permutation=given[:2])
     with pytest.raises(ValueError, match="must contain each of 0..7 exactly once"):
         assert_permutation_equivariant(lambda h: h, x, dim=1, permutation=given.clamp(max=3))
+
+
+# ------------------------------------------------------------------------- token indices
+
+
+class KnnModel(nn.Module):
+    """Point features gathered from precomputed nearest neighbours ``knn`` ``(B, N, k)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(2 * D, D)
+
+    def forward(self, x: Tensor, knn: Tensor) -> Tensor:
+        neighbours = torch.stack([x[b][knn[b]] for b in range(x.shape[0])])  # (B, N, k, D)
+        return self.mix(torch.cat([x, neighbours.mean(2)], -1))
+
+
+def nearest(x: Tensor, k: int = 3) -> Tensor:
+    return torch.cdist(x, x).topk(k, largest=False).indices  # (B, N, k), values 0..N-1
+
+
+@pytest.mark.parametrize("mode", ["checker", "model"])
+def test_knn_indices_are_moved_and_relabelled(mode):
+    torch.manual_seed(0)
+    model, x = KnnModel(), tokens(B, N, D)
+    knn = nearest(x)
+    plan = input_plan([1, ("indices", 1)], (x, knn))
+    assert plan.dims == ((1,), (1,)) and plan.relabelled == (1,) and plan.samples == B
+    if mode == "checker":
+        assert_permutation_equivariant(model, x, knn, dim=[1, ("indices", 1)])
+    else:
+        with checking_equivariance(model, dim={"x": 1, "knn": ("indices", 1)}):
+            model(x, knn)
+    # Without the form the indices move but keep their labels: the check fails and says what to give.
+    with pytest.raises(EquivarianceError) as caught:
+        assert_permutation_equivariant(model, x, knn, dim=1)
+    assert (
+        "input 1 moved on dim 1 holds integers in 0..7 only: if they are token indices (kNN), give it the dim "
+        "entry ('indices', 1) to relabel them as well"
+    ) in str(caught.value)
+
+
+def test_relabelled_indices_follow_each_samples_permutation():
+    x = tokens(B, N, D)
+    knn = nearest(x)
+    moved = assert_permutation_equivariant(lambda x, knn: x, x, knn, dim=[1, ("indices", 1)]).permutation
+    from slim_mha.equivariance._inputs import permute_inputs
+
+    _, new_knn = permute_inputs((x, knn), input_plan([1, ("indices", 1)], (x, knn)), moved)
+    for b in range(B):
+        new_position = torch.empty(N, dtype=torch.long)
+        new_position[moved[b]] = torch.arange(N)
+        assert torch.equal(new_knn[b], new_position[knn[b][moved[b]]])
+
+
+def test_dim_entries_that_are_not_understood_name_the_forms():
+    x = tokens(B, N, D)
+    for entry in [("indices", "x"), "tokens", (), 1.0]:
+        with pytest.raises(ValueError, match=r"is not understood: use an axis, .*\('indices', axis\)"):
+            assert_permutation_equivariant(lambda x, y: x, x, x, dim=[1, entry])
+    with pytest.raises(ValueError, match=r"dim entry \('indices', 'x'\) is not understood"):
+        with checking_equivariance(KnnModel(), dim={"x": 1, "knn": ("indices", "x")}):
+            pass
+
+
+def test_a_two_node_graphs_edge_index_is_relabelled():
+    """(2, E) beside 2 nodes has the token count on axis 0; its rows are source and target."""
+
+    def propagate(x: Tensor, edge_index: Tensor) -> Tensor:
+        source, target = edge_index
+        return x + torch.zeros_like(x).index_add_(0, target, x[source])
+
+    nodes = tokens(2, D)
+    edge_index = torch.tensor([[0, 1, 1], [1, 0, 1]])
+    plan = input_plan(0, (nodes, edge_index))
+    assert plan.relabelled == (1,) and plan.dims[1] == () and plan.samples == 0
+    assert_permutation_equivariant(propagate, nodes, edge_index, dim=0)
+    ids = torch.tensor([[5, 7, 9], [3, 2, 8]])  # two tokens' ids, sequence-first: still moved
+    assert input_plan(0, (tokens(2, 3, D), ids)).dims[1] == (0,)

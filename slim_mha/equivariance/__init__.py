@@ -20,8 +20,9 @@ output's largest magnitude.
 * :func:`assert_permutation_equivariant`, :func:`assert_permutation_invariant` and
   :func:`permutation_equivariance_error` check any function or model, and name where the property
   first breaks: a submodule, or the code between two submodule calls (:class:`Culprit`).
-* :func:`draw_permutation` draws the permutation a check with a given seed applies, so that a
-  failure's seed reproduces it.
+* :func:`draw_permutation` draws the permutation a check with a given seed applies, and
+  :func:`draw_permutations` the one per sample that the checkers and the model-level mode apply to a
+  batch, so that a failure's seed reproduces it.
 """
 
 from ._checker import (
@@ -30,7 +31,7 @@ from ._checker import (
     permutation_equivariance_error,
 )
 from ._locate import Culprit
-from ._measure import TOLERANCE, EquivarianceError, draw_permutation
+from ._measure import TOLERANCE, EquivarianceError, draw_permutation, draw_permutations
 from ._mode import ENVIRONMENT_VARIABLE, checking_equivariance
 from ._report import PermutationErrors, format_permutation_error
 
@@ -46,6 +47,7 @@ __all__ = [
     "PermutationErrors",
     "Culprit",
     "draw_permutation",
+    "draw_permutations",
     "TOLERANCE",
     "ENVIRONMENT_VARIABLE",
 ]

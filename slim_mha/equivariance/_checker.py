@@ -38,6 +38,7 @@ from ._inputs import (
     _SameAsDim,
     checked_permutation,
     input_plan,
+    moved_indices,
     output_dims,
     permute_inputs,
 )
@@ -223,6 +224,7 @@ def measure(call: CheckedCall, *, seed: int | None, permutation: Tensor | None, 
         submodules=submodule_checks,
         submodule_note=note,
         relabelled=plan.relabelled,
+        moved_indices=moved_indices(call.inputs, plan),
         input_names=call.input_names,
     )
 

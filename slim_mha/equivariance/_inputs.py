@@ -16,11 +16,14 @@ from ._measure import batch_axis, format_indices, permute
 from ._report import format_shape
 
 __all__ = [
+    "ENTRY_FORMS",
     "INDICES",
+    "entry_form",
     "SAME_AS_DIM",
     "InputPlan",
     "checked_permutation",
     "input_plan",
+    "moved_indices",
     "output_dims",
     "per_sample",
     "permute_inputs",
@@ -37,6 +40,27 @@ SAME_AS_DIM = _SameAsDim()
 
 
 INDICES = "indices"  # a dim entry: the input holds token indices, relabelled by the permutation
+
+ENTRY_FORMS = (
+    "an axis, a tuple of axes (moved alike), 'indices' (an integer tensor of token indices, relabelled), "
+    "('indices', axis) (token indices along the token axis, such as kNN (B, L, k): moved and relabelled) "
+    "or None (left unchanged)"
+)
+
+
+def entry_form(entry) -> tuple[tuple[int, ...] | None, bool] | None:
+    """A ``dim`` entry read as (the axes it moves or ``None``, whether it relabels); ``None`` when the
+    entry is not one of :data:`ENTRY_FORMS`. The one reader of the forms, for the checkers and the
+    model-level mode."""
+    if entry is None:
+        return None, False
+    if isinstance(entry, str):
+        return (None, True) if entry == INDICES else None
+    relabel = isinstance(entry, tuple) and bool(entry) and entry[0] == INDICES
+    axes = entry[1:] if relabel else entry if isinstance(entry, tuple) else (entry,)
+    if not all(isinstance(axis, int) and not isinstance(axis, bool) for axis in axes) or not (axes or relabel):
+        return None
+    return (tuple(axes) or None), relabel
 
 
 @dataclass(frozen=True)
@@ -89,19 +113,18 @@ def input_plan(dim, inputs: tuple) -> InputPlan:
             raise ValueError(
                 f"{where}={entry!r} but input {index} is a {type(x).__name__}, not a tensor: pass None for it"
             )
-        if entry == INDICES:
+        form = entry_form(entry)
+        if form is None:
+            raise ValueError(f"{where}={entry!r} is not understood: use {ENTRY_FORMS}")
+        axes, relabel = form
+        if relabel:
             if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
                 raise ValueError(
-                    f"{where}={INDICES!r} but input {index} is {x.dtype}: only integer tensors hold token indices"
+                    f"{where}={entry!r} but input {index} is {x.dtype}: only integer tensors hold token indices"
                 )
             relabelled.append(index)
-            dims.append(())
-        else:
-            dims.append(
-                _axes_of(
-                    entry, None if x is None else getattr(x, "ndim", None), f"{where} for input {index} {_shape_of(x)}"
-                )
-            )
+        ndim = None if x is None else getattr(x, "ndim", None)
+        dims.append(_axes_of(axes, ndim, f"{where} for input {index} {_shape_of(x)}"))
     return _planned(inputs, tuple(dims), tuple(relabelled))
 
 
@@ -124,7 +147,7 @@ def _plan_for_one_axis(dim: int, inputs: tuple) -> InputPlan:
     for index, x in tensors:
         if integer(x) and axis >= x.ndim:
             continue  # no token axis at all (a class label per sample): not token indices, left as it is
-        if integer(x) and x.shape[axis] != length:
+        if integer(x) and (x.shape[axis] != length or _edge_index_of_two_nodes(x, axis, x is first)):
             relabelled.append(index)
         elif integer(x) and _holds_positions(x, axis):
             continue  # position ids belong to the slots, not the tokens: left as they are
@@ -146,11 +169,12 @@ def per_sample(inputs: tuple, dims: tuple[tuple[int, ...], ...], relabelled: tup
     moves): axis 0 when its tokens are elsewhere (``(B, L, E)``, ``(B, C, L)``), axis 1 when they are on
     axis 0 of a tensor of 3 or more axes (sequence-first ``(L, B, E)``); a ``(N, C)`` set has none. Every
     other input that moves needs an axis of that size besides its tokens (a ``(B, L)`` mask has one, an
-    ``(L, L)`` mask shared by the batch has not), and nothing may be relabelled (``edge_index`` numbers
-    the nodes of the whole batch); else one permutation moves every sample alike.
+    ``(L, L)`` mask shared by the batch has not), and nothing may be relabelled without moving
+    (``edge_index`` numbers the nodes of the whole batch; kNN indices ``(B, L, k)`` move with their
+    sample); else one permutation moves every sample alike.
     """
     moved = [(x, axes) for x, axes in zip(inputs, dims) if axes]
-    if relabelled or not moved:
+    if any(not dims[index] for index in relabelled) or not moved:  # edge_index numbers the whole batch
         return 0
     first, axes = next(((x, axes) for x, axes in moved if x.is_floating_point()), moved[0])
     axis = 0 if axes[0] != 0 else (1 if first.ndim >= 3 else None)
@@ -160,6 +184,27 @@ def per_sample(inputs: tuple, dims: tuple[tuple[int, ...], ...], relabelled: tup
     if any(batch_axis(tuple(x.shape), axes, samples) is None for x, axes in moved):
         return 0
     return samples
+
+
+def _edge_index_of_two_nodes(x: Tensor, axis: int, sets_length: bool) -> bool:
+    """A ``(2, E)`` integer input of 0s and 1s beside the features of a graph of 2 nodes (``dim=0``):
+    PyG's ``edge_index``, whose 2 rows are source and target, not the 2 nodes, so it is relabelled.
+    (Two tokens' ids, sequence-first, hold other values and still move.)"""
+    if axis != 0 or x.ndim != 2 or x.shape[0] != 2 or sets_length:
+        return False
+    return x.numel() == 0 or bool(((x == 0) | (x == 1)).all())
+
+
+def moved_indices(inputs: tuple, plan: InputPlan) -> tuple[int, ...]:
+    """Integer inputs moved but not relabelled whose values all lie in ``0..length-1``: token
+    indices (kNN) that were meant to be relabelled too, if the check fails (token ids may look so)."""
+    found = []
+    for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
+        if not dims or index in plan.relabelled or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            continue
+        if x.numel() and x.ndim > len(dims) and 0 <= int(x.min()) and int(x.max()) < plan.length:
+            found.append(index)
+    return tuple(found)
 
 
 def _holds_positions(x: Tensor, axis: int) -> bool:
@@ -285,15 +330,27 @@ def output_dims(output_dim, dim, input_dims, leaves: list, length: int) -> list[
     return result
 
 
+def _relabelled(x: Tensor, dims: tuple[int, ...], permutation: Tensor) -> Tensor:
+    """Token indices renamed: each value ``i`` becomes the new position of token ``i`` (each sample's
+    own, along ``x``'s batch axis, for a permutation per sample)."""
+    new_position = torch.empty_like(permutation)
+    new_position.scatter_(-1, permutation, torch.arange(permutation.shape[-1]).expand_as(permutation))
+    new_position = new_position.to(x.device, x.dtype)
+    if permutation.ndim == 1:
+        return new_position[x]
+    batch = batch_axis(tuple(x.shape), dims, permutation.shape[0])
+    assert batch is not None  # per_sample gave each sample its own permutation only where there is one
+    rows = x.movedim(batch, 0)
+    return new_position.gather(1, rows.reshape(rows.shape[0], -1)).reshape(rows.shape).movedim(0, batch)
+
+
 def permute_inputs(inputs: tuple, plan: InputPlan, permutation: Tensor) -> tuple:
     # Permute a tensor passed twice once, so `query is key` holds in the permuted call as well.
     done: dict[tuple[int, tuple[int, ...]], Tensor] = {}
     permuted = []
     for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
-        if index in plan.relabelled:  # only with one permutation for all samples (see per_sample)
-            new_position = torch.empty_like(permutation)
-            new_position[permutation] = torch.arange(len(permutation))  # token i now sits at new_position[i]
-            permuted.append(new_position.to(x.device, x.dtype)[x])
+        if index in plan.relabelled:
+            permuted.append(permute(_relabelled(x, dims, permutation), dims, permutation))
             continue
         if not dims:
             permuted.append(x)

@@ -411,7 +411,7 @@ def compare_calls(
     note = ""
     same_calls = rerun is not None and [(c.name, c.call) for c in rerun] == [(c.name, c.call) for c in original]
     for index, (before, after) in enumerate(zip(original, permuted)):
-        again = rerun[index] if same_calls else None
+        again = rerun[index] if rerun is not None and same_calls else None
         if (before.name, before.call) != (after.name, after.call):
             note = (
                 f"submodule calls diverge at call {index}: '{before.name}' ran on the original inputs but "
@@ -427,7 +427,7 @@ def compare_calls(
         )
         inputs_match = [name for name, _ in before.inputs] == [name for name, _ in after.inputs]
         inputs = (
-            _measure_readings(before.inputs, after.inputs, length, permutation, again and again.inputs)
+            _measure_readings(before.inputs, after.inputs, length, permutation, again.inputs if again else None)
             if inputs_match
             else ()
         )
@@ -436,7 +436,9 @@ def compare_calls(
                 SubmoduleCheck(before.name, before.type_name, before.call, (), "different outputs", inputs, **fields)
             )
             continue
-        outputs = _measure_readings(before.outputs, after.outputs, length, permutation, again and again.outputs)
+        outputs = _measure_readings(
+            before.outputs, after.outputs, length, permutation, again.outputs if again else None
+        )
         checks.append(SubmoduleCheck(before.name, before.type_name, before.call, outputs, "", inputs, **fields))
     if not note and len(original) != len(permuted):
         note = f"{len(original)} submodule calls on the original inputs but {len(permuted)} on the permuted ones"
@@ -456,22 +458,46 @@ def find_culprit(checks: tuple[SubmoduleCheck, ...], tolerance: float | None = N
     )
     previous: tuple[str, SubmoduleCheck] | None = None
     kept = 0
+    passing = [check for check in checks if check.passed(tolerance)]
     for _, kind, check in events:
-        if kind == "start" and not check.inputs_passed(tolerance):
-            code, location = _code_before(check, previous)
-            return Culprit("code", check.parent or "", check, code, location, kept)
-        if kind == "end" and not check.passed(tolerance):
-            if previous is not None and previous[0] == "end" and previous[1].parent == check.name:
-                code, location = _code_after(previous[1])  # its own submodules kept it: its code did not
-                return Culprit("submodule", check.name, check, code, location, kept, after_submodules=True)
-            code, location = "", ""
-            if check.forward is not None and _called_nothing(check, checks):
-                code = f"`{check.forward.function}`"
-                location = _lines(check.forward, check.forward.first_line, check.forward.last_line)
-            return Culprit("submodule", check.name, check, code, location, kept)
+        culprit = None if _repaired(check, passing) else _culprit_at(kind, check, previous, checks, kept, tolerance)
+        if culprit is not None:
+            return culprit
         kept += kind == "end"
         previous = (kind, check)
     return None
+
+
+def _culprit_at(
+    kind: str,
+    check: SubmoduleCheck,
+    previous: tuple[str, SubmoduleCheck] | None,
+    checks: tuple[SubmoduleCheck, ...],
+    kept: int,
+    tolerance: float | None,
+) -> Culprit | None:
+    """The culprit an event shows: a call whose inputs come in broken (the code before it), or one
+    whose output breaks while its inputs were fine."""
+    if kind == "start" and not check.inputs_passed(tolerance):
+        code, location = _code_before(check, previous)
+        return Culprit("code", check.parent or "", check, code, location, kept)
+    if kind == "end" and not check.passed(tolerance):
+        if previous is not None and previous[0] == "end" and previous[1].parent == check.name:
+            code, location = _code_after(previous[1])  # its own submodules kept it: its code did not
+            return Culprit("submodule", check.name, check, code, location, kept, after_submodules=True)
+        code, location = "", ""
+        if check.forward is not None and _called_nothing(check, checks):
+            code = f"`{check.forward.function}`"
+            location = _lines(check.forward, check.forward.first_line, check.forward.last_line)
+        return Culprit("submodule", check.name, check, code, location, kept)
+    return None
+
+
+def _repaired(check: SubmoduleCheck, passing: list[SubmoduleCheck]) -> bool:
+    """Whether a call runs inside another whose outputs keep the property: what breaks in between is
+    that call's own bookkeeping (PyG's ``GCNConv`` appends self-loops after the edges, so its
+    per-edge messages are neither unchanged nor permuted, while its output per node is)."""
+    return any(other.started < check.started and 0 <= check.finished < other.finished for other in passing)
 
 
 def _called_nothing(check: SubmoduleCheck, checks: tuple[SubmoduleCheck, ...]) -> bool:

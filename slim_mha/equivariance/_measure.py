@@ -354,13 +354,17 @@ DISTINCT_DRAWS = 8
 def draw_permutations(length: int, seed: int, samples: int) -> Tensor:
     """One permutation per sample, ``(samples, length)``; a single one ``(length,)`` when ``samples`` is 0.
 
-    Sample ``b`` takes ``draw_permutation(length, seed + b % DISTINCT_DRAWS)``: a model that mixes the
+    Sample 0 takes ``draw_permutation(length, seed)``, the one a shared check with the same seed
+    draws, which no position leak can hide from. The others are uniform draws from a generator
+    seeded with ``seed + 1``, there so that each sample moves differently: a model that mixes the
     samples of a batch (attention across the batch axis, ``h - h.mean(0)``) no longer hides behind a
-    permutation they all share. Sample 0's is the one a shared check with the same seed draws.
+    permutation they all share. Past :data:`DISTINCT_DRAWS` samples the rows repeat in turn.
     """
+    first = draw_permutation(length, seed)
     if samples == 0:
-        return draw_permutation(length, seed)
-    draws = [draw_permutation(length, seed + b) for b in range(min(samples, DISTINCT_DRAWS))]
+        return first
+    generator = torch.Generator().manual_seed(seed + 1)
+    draws = [first] + [torch.randperm(length, generator=generator) for _ in range(min(samples, DISTINCT_DRAWS) - 1)]
     return torch.stack([draws[b % len(draws)] for b in range(samples)])
 
 

@@ -40,7 +40,7 @@ from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
 from . import _context
 from ._checker import CheckedCall, error_for, measure
 from ._context import type_name
-from ._inputs import INDICES, SAME_AS_DIM, TooFewTokens
+from ._inputs import ENTRY_FORMS, SAME_AS_DIM, TooFewTokens, entry_form
 from ._measure import EquivarianceError
 
 __all__ = ["ModelCheck", "check_dim", "check_model_options"]
@@ -60,16 +60,8 @@ def check_dim(dim) -> None:
         )
     entries = dim.values() if isinstance(dim, Mapping) else dim if isinstance(dim, Sequence) else [dim]
     for entry in entries:
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        if (
-            entry is not None
-            and entry != INDICES
-            and not all(isinstance(a, int) and not isinstance(a, bool) for a in axes)
-        ):
-            raise ValueError(
-                f"dim entry {entry!r} is not understood: use an axis, a tuple of axes (moved alike), "
-                f"{INDICES!r} (an integer tensor of token indices, relabelled) or None (left unchanged)"
-            )
+        if entry_form(entry) is None:
+            raise ValueError(f"dim entry {entry!r} is not understood: use {ENTRY_FORMS}")
     if isinstance(dim, Mapping):
         for key in dim:
             if isinstance(key, bool) or not isinstance(key, (str, int)):

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._context import type_name
 from ._locate import Culprit, SubmoduleCheck, describe_trailing_code, find_culprit
-from ._measure import DISTINCT_DRAWS, TensorError, format_indices
+from ._measure import TensorError, format_indices
 
 __all__ = [
     "OutputCheck",
@@ -62,6 +62,8 @@ class PermutationErrors:
         submodule_note: why the submodule comparison stopped early, if it did.
         relabelled: the inputs read as token indices (``edge_index``), whose values the
             permutation relabels: ``i`` became the new position of token ``i``.
+        moved_indices: integer inputs moved, not relabelled, whose values all lie in ``0..L-1``:
+            kNN indices meant to be relabelled too, when the check fails.
         input_names: how the report names the inputs (default ``input 0``, ``input 1``...).
     """
 
@@ -73,6 +75,7 @@ class PermutationErrors:
     submodules: tuple[SubmoduleCheck, ...] | None = None
     submodule_note: str = ""
     relabelled: tuple[int, ...] = ()
+    moved_indices: tuple[int, ...] = ()
     input_names: tuple[str, ...] = ()
 
     def input_name(self, index: int) -> str:
@@ -130,6 +133,14 @@ def format_permutation_error(result: PermutationErrors, tolerance: float | None 
             )
     if broken:
         lines.extend(_locate_lines(result, tolerance, broken))
+        for index in result.moved_indices:
+            axes = result.input_dims[index]
+            entry = ", ".join(map(str, axes))
+            lines.append(
+                f"  {result.input_name(index)} moved on dim{'s' if len(axes) > 1 else ''} {_axes(axes)} holds "
+                f"integers in 0..{result.permutation.shape[-1] - 1} only: if they are token indices (kNN), give it "
+                f"the dim entry ('indices', {entry}) to relabel them as well"
+            )
     inputs = ", ".join(
         f"{result.input_name(index)} on dim{'s' if len(dims) > 1 else ''} {_axes(dims)}"
         for index, dims in enumerate(result.input_dims)
@@ -150,9 +161,7 @@ def format_permutation(permutation: Tensor, seed: int | None) -> str:
         return f"permutation ({drawn}, {len(permutation)} tokens): {format_indices(permutation)}"
     samples, length = permutation.shape
     rows = "; ".join(f"sample {b}: {format_indices(permutation[b], limit=12)}" for b in range(min(samples, 2)))
-    source = (
-        f", sample b's drawn as draw_permutation({length}, {seed} + b % {DISTINCT_DRAWS})" if seed is not None else ""
-    )
+    source = f", as draw_permutations({length}, {seed}, {samples}) draws them" if seed is not None else ""
     more = f"; ... ({samples - 2} more samples)" if samples > 2 else ""
     return f"permutations, one per sample ({drawn}, {samples} samples of {length} tokens{source}): {rows}{more}"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +46,7 @@ def in_float32(module: nn.Module | None) -> Iterator[None]:
     """``module``'s low-precision parameters and buffers replaced by float32 copies (tied ones stay
     tied), and autocast off on every device, while the block runs; the originals back after."""
     swapped: list[tuple[dict, str, Tensor]] = []
-    copies: dict[int, Tensor] = {}
+    copies: dict[int, Any] = {}
     try:
         for owner in module.modules() if module is not None else ():
             for slots in (owner._parameters, owner._buffers):
