@@ -25,7 +25,7 @@ from torch import nn
 from slim_mha import EquivarianceError, SlimMultiheadAttention, checking_equivariance
 from slim_mha._matrix import APPENDED, ATTENTION_KINDS, WEIGHTS, appended_options
 from slim_mha._stock_checks import AttentionCall
-from slim_mha.equivariance import ENVIRONMENT_VARIABLE, TOLERANCE, _mode
+from slim_mha.equivariance import ENVIRONMENT_VARIABLE, _mode
 from slim_mha.equivariance._measure import draw_permutation
 
 from _reference import attention_tokens
@@ -868,7 +868,10 @@ def test_low_precision_still_catches_breaks(dtype):
     for seed in range(10):
         case = random_case(rng, seed=seed, dtype=dtype)
         for cls in (QueryPositionLeak, KeyPositionLeak):
-            with pytest.raises(EquivarianceError, match=f"{str(dtype).removeprefix('torch.')}: {TOLERANCE[dtype]:.0e}"):
+            # The tolerance is the call's own rounding against a float32 rerun, not the table's.
+            with pytest.raises(
+                EquivarianceError, match=f"{str(dtype).removeprefix('torch.')}: .* against a float32 rerun"
+            ):
                 build(case, cls, check_equivariance=True)(**make_inputs(case))
 
 

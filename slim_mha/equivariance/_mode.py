@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 from weakref import WeakKeyDictionary, WeakSet
 
@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from .._stock_checks import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
+from . import _rerun
 from ._checker import buffer_copies
 from ._context import is_rerunning, naming, qualified_name, type_name
 from ._inputs import SAME_AS_DIM
@@ -61,8 +62,10 @@ from ._measure import (
     TensorError,
     draw_permutation,
     format_indices,
+    low_precision,
     measure_error,
     permute,
+    rounding_of,
     tolerance_dtype,
 )
 from ._model_mode import CALLS as MODEL_CALLS
@@ -380,6 +383,7 @@ class _AttentionCheck:
         # reference is recomputed from the mask, as the permuted calls are.
         appended = module.bias_k is not None or module.add_zero_attn
         self.recompute_reference = self.used_dropout or (is_causal and appended)
+        self.rounding: tuple[float | None, float | None] = (None, None)  # set by run in low precision
         self.seed = _next_seed()
         self.query_permutation = draw_permutation(query.shape[self.axis], self.seed)
         self.key_permutation = draw_permutation(key.shape[self.axis], self.seed + 1)
@@ -395,6 +399,7 @@ class _AttentionCheck:
             else:
                 output, weights = result
                 reference = (output.detach(), None if weights is None else weights.detach())
+            self.rounding = self._rounding(reference)
             errors = self._compare(reference, permute_queries=True, permute_keys=True)
             if all(error.passed() for error in errors):
                 return
@@ -404,9 +409,32 @@ class _AttentionCheck:
             ]
         raise self._error(errors, diagnosis)
 
-    def _attend(self, permute_queries: bool, permute_keys: bool) -> tuple[Tensor, Tensor | None]:
+    def _rounding(self, reference: tuple[Tensor, Tensor | None]) -> tuple[float | None, float | None]:
+        """In low precision, what the comparison's two sides round (output, weights), measured against
+        a float32 rerun: half the sum of the reference's and slim's own path's distances from it, so
+        that the tolerance (floor plus twice this) allows each side its own rounding. The reference may
+        come from another path (stock's kernel) that rounds less or more than slim's."""
+        dtype = tolerance_dtype(reference[0])
+        if not low_precision(dtype):
+            return None, None
+        own = reference if self.recompute_reference else self._attend(permute_queries=False, permute_keys=False)
+        with _rerun.in_float32(self.module):
+            exact = self._attend(permute_queries=False, permute_keys=False, upcast=True)
+        roundings: list[float | None] = []
+        for ours, theirs, high in zip(own, reference, exact):
+            first = None if high is None or theirs is None else rounding_of(dtype, theirs, high)
+            second = None if high is None or ours is None else rounding_of(dtype, ours, high)
+            roundings.append(None if first is None or second is None else (first + second) / 2)
+        return roundings[0], roundings[1]
+
+    def _attend(self, permute_queries: bool, permute_keys: bool, upcast: bool = False) -> tuple[Tensor, Tensor | None]:
         query, key, value = self.query, self.key, self.value
         key_padding_mask, attn_mask = self.key_padding_mask, self.attn_mask
+        if upcast:
+            query, key, value, key_padding_mask, attn_mask = (
+                _rerun.upcast(t) for t in (query, key, value, key_padding_mask, attn_mask)
+            )
+            value = key if self.value is self.key else value
         if permute_queries:
             query = permute(query, (self.axis,), self.query_permutation)
             if attn_mask is not None:
@@ -433,7 +461,9 @@ class _AttentionCheck:
         rows = self.query_permutation if permute_queries else None
         dtype = tolerance_dtype(reference_output)
         expected = reference_output if rows is None else permute(reference_output, (self.axis,), rows)
-        errors = [measure_error("output", output, expected, (self.axis,) if rows is not None else (), dtype)]
+        output_rounding, weights_rounding = self.rounding
+        error = measure_error("output", output, expected, (self.axis,) if rows is not None else (), dtype)
+        errors = [replace(error, rounding=output_rounding)]
         if reference_weights is not None and weights is not None:
             expected = reference_weights if rows is None else permute(reference_weights, (-2,), rows)
             if permute_keys:  # appended key columns (add_bias_kv, add_zero_attn) stay where they are
@@ -441,7 +471,7 @@ class _AttentionCheck:
                 appended = torch.arange(source, reference_weights.shape[-1])
                 expected = permute(expected, (-1,), torch.cat([self.key_permutation, appended]))
             dims = ((-2,) if rows is not None else ()) + ((-1,) if permute_keys else ())
-            errors.append(measure_error("weights", weights, expected, dims, dtype))
+            errors.append(replace(measure_error("weights", weights, expected, dims, dtype), rounding=weights_rounding))
         return errors
 
     def _error(self, errors: list[TensorError], diagnosis) -> EquivarianceError:

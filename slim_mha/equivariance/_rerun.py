@@ -19,24 +19,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._measure import tolerance_dtype
+from ._measure import low_precision, tolerance_dtype
 
-__all__ = ["wanted", "in_float32", "float32_rerun"]
-
-
-def _low(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+__all__ = ["low_precision", "wanted", "upcast", "in_float32", "float32_rerun"]
 
 
 def wanted(outputs: list) -> bool:
     """Whether any tensor output is judged in a low-precision dtype (its own, or autocast's)."""
     return any(
-        isinstance(leaf, Tensor) and leaf.is_floating_point() and _low(tolerance_dtype(leaf)) for _, leaf in outputs
+        isinstance(leaf, Tensor) and leaf.is_floating_point() and low_precision(tolerance_dtype(leaf))
+        for _, leaf in outputs
     )
 
 
-def _upcast(value):
-    if isinstance(value, Tensor) and _low(value.dtype):
+def upcast(value):
+    if isinstance(value, Tensor) and low_precision(value.dtype):
         return value.float()
     return value
 
@@ -51,7 +48,7 @@ def in_float32(module: nn.Module | None) -> Iterator[None]:
         for owner in module.modules() if module is not None else ():
             for slots in (owner._parameters, owner._buffers):
                 for name, tensor in list(slots.items()):
-                    if tensor is not None and _low(tensor.dtype):
+                    if tensor is not None and low_precision(tensor.dtype):
                         if id(tensor) not in copies:  # a parameter stays one: code may ask
                             copy = tensor.detach().float()
                             is_parameter = isinstance(tensor, nn.Parameter)
@@ -74,6 +71,6 @@ def float32_rerun(fn: Callable, inputs: tuple, kwargs: dict, module: nn.Module |
     then the dtypes clash). The caller rewinds the state before and after."""
     try:
         with in_float32(module):
-            return fn(*(_upcast(x) for x in inputs), **{key: _upcast(x) for key, x in kwargs.items()})
+            return fn(*(upcast(x) for x in inputs), **{key: upcast(x) for key, x in kwargs.items()})
     except Exception:  # any failure means "no rerun", and the table's tolerance applies
         return None
