@@ -105,8 +105,8 @@ __all__ = [
     "attention_with_weights",
     "available_bytes",
     "below_checked_size",
-    "blocks_forced",
     "check_weights_fit",
+    "forced_rows",
     "mean_over_heads",
     "plan_weights_path",
     "query_scale",
@@ -114,15 +114,6 @@ __all__ = [
     "rows_per_block",
     "weights_path_bytes",
 ]
-
-# Set (by tests and the benchmark) to compute averaged weights without a graph in blocks holding at
-# most this many bytes of scores even where one pass fits; None: the memory guard decides.
-_BLOCK_SCORES_BYTES: int | None = None
-
-
-def blocks_forced() -> bool:
-    """Whether averaged weights are forced into blocks (tests, ``bench weights --blocks``)."""
-    return _BLOCK_SCORES_BYTES is not None
 
 
 class WeightsPlan(NamedTuple):
@@ -142,9 +133,7 @@ def plan_weights_path(
     functional = records_graph or dropout_p > 0.0 or symbolic
     rows = q.shape[2]
     if average and not functional:
-        rows = (
-            rows_per_block(q, src_len) if _BLOCK_SCORES_BYTES is None else _forced_rows(q, src_len, _BLOCK_SCORES_BYTES)
-        )
+        rows = rows_per_block(q, src_len)
     return WeightsPlan(functional, average, rows)
 
 
@@ -366,7 +355,7 @@ def _head_average(heads: int, dtype: torch.dtype, device: torch.device) -> Tenso
         return torch.full((1, 1, heads), 1.0 / heads, dtype=dtype, device=device)
 
 
-def _forced_rows(q: Tensor, src_len: int, block_bytes: int) -> int:
+def forced_rows(q: Tensor, src_len: int, block_bytes: int) -> int:
     """Query rows per block holding at most ``block_bytes`` of scores, as equal as possible."""
     B, H, L, _ = q.shape
     row_bytes = max(B * H * src_len * q.element_size(), 1)

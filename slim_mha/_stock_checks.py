@@ -20,7 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._torch_compat import sdpa_zeroes_rows_masked_from_every_key, stock_layer_unfuses_for_hooks
+from ._torch_compat import (
+    ACCELERATOR_DEVICES,
+    sdpa_zeroes_rows_masked_from_every_key,
+    stock_layer_unfuses_for_hooks,
+)
 
 # Observed once, at import: read inside compiled code, where a first call would be traced.
 _HOOKS_UNFUSE = stock_layer_unfuses_for_hooks()
@@ -437,9 +441,8 @@ def why_stock_layer_is_not_fused(
     )
     if torch.overrides.has_torch_function(tensors):
         return "some Tensor argument has_torch_function"
-    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-    if not all(t.device.type in devices for t in tensors):
-        return f"some Tensor argument's device is neither one of {list(devices)}"
+    if not all(t.device.type in ACCELERATOR_DEVICES for t in tensors):
+        return f"some Tensor argument's device is neither one of {list(ACCELERATOR_DEVICES)}"
     if records_graph(*tensors):
         return (
             "grad is enabled and at least one of query or the input/output projection weights or biases requires_grad"

@@ -95,6 +95,8 @@ def rebuild_as(module: nn.Module, cls: type[M], **attributes) -> M:
     Both classes must be stock ``nn.MultiheadAttention`` or a subclass that adds no state of its own
     beyond ``SLIM_ATTRIBUTES``; those are dropped, then ``attributes`` are set.
     """
+    if slim_stands_for(cls):
+        script_on_shadows()
     new = object.__new__(cls)  # nn.Module defines no __new__: no __init__ runs, the state is copied below
     state = {name: value for name, value in module.__dict__.items() if name not in SLIM_ATTRIBUTES}
     for name in _OWN_CONTAINERS:
@@ -204,4 +206,9 @@ def _prepare_on_a_shadow(prepare):
     return prepare_leaving_the_eager_model
 
 
-wrap_jit_prepare(_prepare_on_a_shadow)
+def script_on_shadows() -> None:
+    """From now on ``torch.jit.script`` prepares a tree that holds slim modules on a shadow of it,
+    so the eager tree keeps its modules (:func:`shadow_tree`). Idempotent. Called where slim modules
+    come to be (the patch, their constructors, :func:`rebuild_as`), not on import: importing slim_mha
+    leaves torch as it is."""
+    wrap_jit_prepare(_prepare_on_a_shadow)

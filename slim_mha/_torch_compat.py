@@ -13,7 +13,9 @@ import torch.fx
 import torch.nn.functional as F
 import torch.nn.modules.activation
 import torch.nn.modules.transformer
+import torch.utils.backend_registration
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree  # private, public in all but name: tree_leaves/flatten/unflatten
 
 __all__ = [
     "STOCK_ENCODER_LAYER",
@@ -23,6 +25,10 @@ __all__ = [
     "is_capturing_or_transforming",
     "is_symbolic_call",
     "stock_head_split",
+    "stock_layer_masks",
+    "nested_from_padded",
+    "pytree",
+    "ACCELERATOR_DEVICES",
     "stock_kernel",
     "sdpa_zeroes_rows_masked_from_every_key",
     "stock_layer_unfuses_for_hooks",
@@ -155,6 +161,39 @@ def stock_kernel(
         average,
         mask_type,
     )
+
+
+def stock_layer_masks(src: Tensor, src_mask, src_key_padding_mask) -> tuple[Tensor | None, Tensor | None]:
+    """``(src_mask, src_key_padding_mask)`` made canonical as ``nn.TransformerEncoderLayer.forward``
+    makes them before it decides anything: bool masks additive in ``src``'s dtype, with its warnings.
+
+    Private: ``F._canonical_mask`` and ``F._none_or_dtype``, which stock's layer calls itself, on
+    every tested version (calling them keeps its warnings' wording and stack levels stock's).
+    """
+    src_key_padding_mask = F._canonical_mask(
+        mask=src_key_padding_mask,
+        mask_name="src_key_padding_mask",
+        other_type=F._none_or_dtype(src_mask),
+        other_name="src_mask",
+        target_type=src.dtype,
+    )
+    src_mask = F._canonical_mask(
+        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
+    )
+    return src_mask, src_key_padding_mask
+
+
+def nested_from_padded(padded: Tensor, padding: Tensor) -> Tensor:
+    """A padded ``(B, L, E)`` batch back to a nested tensor, each sequence without its padded rows, as
+    stock's encoder makes its nested output. Private: ``torch._nested_tensor_from_mask``, which
+    ``nn.TransformerEncoder`` calls itself, on every tested version."""
+    return torch._nested_tensor_from_mask(padded, padding.logical_not(), mask_check=False)
+
+
+# The device types stock's encoder layer lets into its fused kernel, in its words; the last is the
+# name a third-party backend registers (private: ``torch.utils.backend_registration._privateuse1_backend_name``,
+# which stock's layer reads itself).
+ACCELERATOR_DEVICES = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
 
 
 def wrap_jit_prepare(wrapper) -> None:

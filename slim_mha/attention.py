@@ -9,8 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import inspection, unread_weights
+from . import inspection
 from ._explicit_attention import attention_with_weights, query_scale
+from ._features import (
+    CHECKS,
+    UNREAD,
+    load_checks,
+    resolve_options,
+    resolve_skip_option,
+    wanted_by_environment,
+)
 from ._stock_checks import (
     AttentionCall,
     PreparedCall,
@@ -26,6 +34,7 @@ from ._swap import (
     has_folded_value_bias,
     prepare_scriptable,
     refuse_rows_masked_from_every_key,
+    script_on_shadows,
 )
 from ._torch_compat import (
     STOCK_MHA,
@@ -40,7 +49,6 @@ from .bias import (
     without_key_bias,
     without_key_bias_eager,
 )
-from .equivariance import _mode as _equivariance
 from .paths import PATHS_TAKEN, choose_path
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
@@ -105,6 +113,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             check_equivariance_every=check_equivariance_every,
             skip_unread_weights=skip_unread_weights,
         )
+        script_on_shadows()
         # Stock registers and initialises every parameter, in its order and with its random draws.
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
@@ -152,12 +161,12 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if path != "general":
             result = getattr(self, _RUNS[path])(call)
         else:
-            discarded = need_weights and self.skip_unread_weights and unread_weights.weights_discarded(self, query)
+            discarded = need_weights and self.skip_unread_weights and UNREAD.discarded(self, query)
             result = self._slim_general_with_options(call, discarded)
         # The check follows whatever path ran, so that checking changes no output, not even its last bits;
         # calls whose tensors hold no values (traced, compiled, transformed, faked) are not checked.
-        if (self.check_equivariance or _equivariance.SWITCH.active) and not is_symbolic_call(query):
-            _equivariance.check_call(self, result, call)
+        if (self.check_equivariance or CHECKS.active) and not is_symbolic_call(query):
+            CHECKS.check(self, result, call)
         return result
 
     def _slim_recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -249,7 +258,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         """Slim's own path, with weights skipped where the caller provably discards them."""
         drop_weights = False
         if weights_discarded:
-            call, drop_weights = unread_weights.call_without_weights(call, self.training and self.dropout > 0.0)
+            call, drop_weights = UNREAD.call_without_weights(call, self.training and self.dropout > 0.0)
         result = self._slim_general(call)
         return (result[0], None) if drop_weights else result
 
@@ -439,6 +448,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
+# The environment turns the per-call check on for the whole process: load it with the class.
+if wanted_by_environment():
+    load_checks()
+
 # Stock's forward's keyword defaults (None, True, False: compared by identity), read off its signature.
 _STOCK_DEFAULTS = {
     name: parameter.default
@@ -461,14 +474,14 @@ def slim_options(
     *, check_equivariance: bool | None = None, check_equivariance_every: int = 1, skip_unread_weights: bool = False
 ) -> dict:
     """Slim's own options as the instance attributes that hold them, resolved and checked once."""
-    check, every = _equivariance.resolve_options(check_equivariance, check_equivariance_every)
+    check, every = resolve_options(check_equivariance, check_equivariance_every)
     return {
         # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
         # slim_mha.checking_equivariance() (see slim_mha.equivariance).
         "check_equivariance": check,
         "check_equivariance_every": every,
         # Skip weights the caller provably discards (see slim_mha.unread_weights).
-        "skip_unread_weights": unread_weights.resolve_option(skip_unread_weights),
+        "skip_unread_weights": resolve_skip_option(skip_unread_weights),
     }
 
 

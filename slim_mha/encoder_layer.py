@@ -27,6 +27,8 @@ dropped, so the layer returns what stock's returns.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -34,8 +36,8 @@ from torch import Tensor, nn
 
 from . import inspection
 from ._stock_checks import AttentionCall, a_row_sees_no_key, why_stock_layer_is_not_fused
-from ._swap import prepare_scriptable
-from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA, is_symbolic_call
+from ._swap import prepare_scriptable, script_on_shadows
+from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA, is_symbolic_call, nested_from_padded, stock_layer_masks
 from .attention import SlimMultiheadAttention
 
 __all__ = ["SlimTransformerEncoderLayer", "layer_path", "FUSED_LAYER_MAX_LENGTH"]
@@ -140,6 +142,11 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
 
     _scripted_as = STOCK_ENCODER_LAYER  # what torch.jit.script compiles (slim_mha._swap)
 
+    @functools.wraps(STOCK_ENCODER_LAYER.__init__)  # type: ignore[misc]  # stock's signature and docs
+    def __init__(self, *args, **kwargs) -> None:
+        script_on_shadows()
+        super().__init__(*args, **kwargs)
+
     def forward(
         self,
         src: Tensor,
@@ -169,7 +176,7 @@ class SlimTransformerEncoderLayer(nn.TransformerEncoderLayer):
 def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_padding_mask) -> Tensor:
     """What ``torch._transformer_encoder_layer_fwd`` computes from the arguments stock's layer gives it,
     with ``layer.self_attn`` (slim's) as the attention: batch-first ``src`` ``(B, L, E)``."""
-    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
+    src_mask, src_key_padding_mask = stock_layer_masks(src, src_mask, src_key_padding_mask)
     _refuse_masks_as_the_kernel(layer, src, src_mask, src_key_padding_mask)
     # A float mask of another dtype than the input reaches here, which stock's unfused forward would
     # refuse and its kernel reads so.
@@ -202,22 +209,6 @@ def _as_the_fused_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, src_mas
     return norm2(x + feed_forward(x))
 
 
-def _canonical_masks(src: Tensor, src_mask, src_key_padding_mask) -> tuple[Tensor | None, Tensor | None]:
-    """The masks made canonical as stock's ``forward`` makes them before it decides anything (bool
-    masks additive in ``src``'s dtype), with its warnings: ``(src_mask, src_key_padding_mask)``."""
-    src_key_padding_mask = F._canonical_mask(
-        mask=src_key_padding_mask,
-        mask_name="src_key_padding_mask",
-        other_type=F._none_or_dtype(src_mask),
-        other_name="src_mask",
-        target_type=src.dtype,
-    )
-    src_mask = F._canonical_mask(
-        mask=src_mask, mask_name="src_mask", other_type=None, other_name="", target_type=src.dtype, check_other=False
-    )
-    return src_mask, src_key_padding_mask
-
-
 def _as_the_kernel_reads(mask: Tensor | None) -> Tensor | None:
     """A canonical (additive) mask as stock's fused kernel reads it: a bool mask, non-zero masked."""
     return None if mask is None else mask != 0
@@ -230,7 +221,7 @@ def _unfused(layer: nn.TransformerEncoderLayer, src: Tensor, src_mask, src_key_p
     An ``is_causal`` hint without a mask is dropped, as stock's fused kernel drops it: there stock's
     unfused forward raises where its kernel returns, and slim returns at every length.
     """
-    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
+    src_mask, src_key_padding_mask = stock_layer_masks(src, src_mask, src_key_padding_mask)
     is_causal = is_causal and src_mask is not None
     x = src
     if layer.norm_first:
@@ -257,7 +248,7 @@ def _record_beside_the_kernel(layer: nn.TransformerEncoderLayer, src: Tensor, sr
     if src.is_nested:
         src, padding = _padded(src)
         src_key_padding_mask = padding
-    src_mask, src_key_padding_mask = _canonical_masks(src, src_mask, src_key_padding_mask)
+    src_mask, src_key_padding_mask = stock_layer_masks(src, src_mask, src_key_padding_mask)
     width = (src.shape[-1],)
     x = F.layer_norm(src, width, layer.norm1.weight, layer.norm1.bias, layer.norm1.eps) if layer.norm_first else src
     call = AttentionCall(
@@ -283,4 +274,4 @@ def _nested_through(layer: nn.TransformerEncoderLayer, src: Tensor) -> Tensor:
     out = _as_the_fused_kernel(layer, padded, None, padding)
     if inspection.RECORDING:  # the maps' padded rows as the output's: zero
         inspection.pad_rows(layer.self_attn, padding)
-    return torch._nested_tensor_from_mask(out, padding.logical_not(), mask_check=False)
+    return nested_from_padded(out, padding)

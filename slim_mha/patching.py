@@ -59,7 +59,7 @@ from typing import cast
 
 from torch import nn
 
-from ._swap import SLIM_ATTRIBUTES, left_stock, refuse_folded_value_bias
+from ._swap import SLIM_ATTRIBUTES, left_stock, refuse_folded_value_bias, script_on_shadows
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 from .attention import SlimMultiheadAttention
 from .encoder_layer import SlimTransformerEncoderLayer
@@ -279,6 +279,7 @@ def _apply(state: _PatchState) -> None:
     """Switch the redirect on or off so that it matches who holds the patch."""
     if state.wanted and not state.active:
         _check_torch_holds_stock()
+        script_on_shadows()
         for stock, ours in _REDIRECTS.items():
             _install_redirect(stock, ours)
         state.active = True

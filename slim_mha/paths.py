@@ -26,13 +26,15 @@ The rules and the measurements behind them are in ``benchmarks/RESULTS.md``, "Pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from . import inspection
-from ._explicit_attention import below_checked_size, blocks_forced
+from . import _explicit_attention, inspection
+from ._explicit_attention import below_checked_size, forced_rows
 from ._stock_checks import (
     AttentionCall,
     a_row_sees_no_key,
@@ -50,6 +52,7 @@ __all__ = [
     "STOCK_KERNEL_MAX_SCORE_BYTES",
     "STOCK_OPS_MAX_SCORE_BYTES",
     "choose_path",
+    "forcing_blocks",
 ]
 
 # What each path is, in the words explain prints where choose_path gives no reason (it names why a
@@ -253,6 +256,24 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
         return "parameters of another dtype than the query"
     if torch.overrides.has_torch_function((bias, out_weight, out_bias)):
         return "tensor subclasses among the parameters"
-    if blocks_forced():
-        return "weights forced into blocks"
     return ""
+
+
+@contextmanager
+def forcing_blocks(block_bytes: int) -> Iterator[None]:
+    """For tests and ``bench weights --blocks``: averaged weights without a graph computed in blocks
+    of query rows holding at most ``block_bytes`` of scores, even where one pass fits, and every call
+    on slim's own path, which alone computes blocks. It swaps this module's rule of slim's own path and
+    the memory guard's block rule for the block's duration (one thread): no call reads a switch."""
+    own_path, rows = _why_slims_own_path, _explicit_attention.rows_per_block
+
+    def forced_own_path(*args) -> str:
+        return own_path(*args) or "weights forced into blocks"
+
+    globals()["_why_slims_own_path"] = forced_own_path
+    _explicit_attention.rows_per_block = lambda q, src_len: forced_rows(q, src_len, block_bytes)
+    try:
+        yield
+    finally:
+        globals()["_why_slims_own_path"] = own_path
+        _explicit_attention.rows_per_block = rows

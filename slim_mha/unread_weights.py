@@ -71,10 +71,11 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
+from ._features import UNREAD
 from ._stock_checks import AttentionCall
 from ._torch_compat import STOCK_MHA, is_symbolic_call
 
-__all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "resolve_option", "unread_weights_report", "weights_discarded"]
+__all__ = ["UnreadWeightsReport", "UnreadWeightsSite", "unread_weights_report", "weights_discarded"]
 
 # Python minor versions whose bytecode the recognised shapes were tested on: those .ci/run runs
 # tests/test_unread_weights.py on. CPython changes these opcodes between minor versions (3.12 drops
@@ -118,13 +119,6 @@ _BETWEEN_CODES: dict[object, frozenset[CodeType]] = {}
 _VERDICTS: dict[tuple[CodeType, int], _Site | None] = {}
 # The untested Python versions already warned about (one warning per process).
 _WARNED_VERSIONS: set[tuple[int, int]] = set()
-
-
-def resolve_option(skip_unread_weights: object) -> bool:
-    """The constructor's ``skip_unread_weights``, checked."""
-    if not isinstance(skip_unread_weights, bool):
-        raise ValueError(f"skip_unread_weights must be True or False, got {skip_unread_weights!r}; pass a bool")
-    return skip_unread_weights
 
 
 def call_without_weights(call: AttentionCall, drops_attention: bool) -> tuple[AttentionCall, bool]:
@@ -457,3 +451,7 @@ def unread_weights_report(*, quiet: bool = True, file: TextIO | None = None) -> 
                 _AUDIT.handle, _AUDIT.hook_ids = None, frozenset()
         if not quiet:
             print(report, file=file if file is not None else sys.stderr)
+
+
+# Slim's forward reaches these through slim_mha._features, which imports nothing of this module.
+UNREAD.discarded, UNREAD.call_without_weights = weights_discarded, call_without_weights

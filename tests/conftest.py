@@ -7,12 +7,14 @@ actually checked with ``record_checks``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
 import pytest
 
 from slim_mha.equivariance import ENVIRONMENT_VARIABLE, _mode
+from slim_mha.paths import forcing_blocks
 
 
 @pytest.fixture
@@ -61,3 +63,11 @@ def slims_own_paths(monkeypatch):
     monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_OPS_MAX_SCORE_BYTES", {})
+
+
+@pytest.fixture
+def forced_blocks():
+    """``forced_blocks(n)``: until the test ends, averaged weights without a graph go in blocks of at
+    most ``n`` bytes of scores, on slim's own path (:func:`slim_mha.paths.forcing_blocks`)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda block_bytes: stack.enter_context(forcing_blocks(block_bytes))

@@ -684,11 +684,9 @@ BLOCKS = list(itertools.product(MASKS, ATTN_MASKS, APPENDED, ("no_grad", "infere
 
 
 @pytest.mark.parametrize("kpm,attn_mask,appended,mode", BLOCKS)
-def test_averaged_weights_in_blocks_of_query_rows_match_stock(monkeypatch, kpm, attn_mask, appended, mode):
+def test_averaged_weights_in_blocks_of_query_rows_match_stock(forced_blocks, kpm, attn_mask, appended, mode):
     """Large averaged-weights calls on CPU go a block of query rows at a time; force it on small inputs."""
-    import slim_mha._explicit_attention
-
-    monkeypatch.setattr(slim_mha._explicit_attention, "_BLOCK_SCORES_BYTES", 1)  # one query row per block
+    forced_blocks(1)  # one query row per block
     if kpm != "none" and attn_mask != "none" and (kpm == "bool") != attn_mask.endswith("bool"):
         kpm = attn_mask.split("_")[1]
     compare_with_stock(

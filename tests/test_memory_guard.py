@@ -39,10 +39,10 @@ BLOCK_BYTES = 16 << 20
 
 
 @pytest.fixture(autouse=True)
-def blocks_where_named(request, monkeypatch):
+def blocks_where_named(request, forced_blocks):
     """The blocked case in blocks of ``BLOCK_BYTES`` whatever memory this machine has."""
     if "averaged_in_blocks" in request.node.name:
-        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
+        forced_blocks(BLOCK_BYTES)
 
 
 def slim_and_stock(num_heads: int):
@@ -63,13 +63,13 @@ def rows(heads: int, tokens: int) -> int:
     return plan_weights_path(q, tokens, dropout_p=0.0, average=True, records_graph=False, symbolic=False).rows
 
 
-def test_the_cases_take_the_paths_they_are_named_after(monkeypatch):
+def test_the_cases_take_the_paths_they_are_named_after(forced_blocks):
     """What the cases below rely on: the blocked case is blocked, the one-piece case is not."""
     _, _, heads, tokens = PATHS["averaged_in_one_piece"]
     assert rows(heads, tokens) == tokens
     _, _, heads, tokens = PATHS["averaged_in_blocks"]
     assert rows(heads, tokens) == tokens  # one pass fits here
-    monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
+    forced_blocks(BLOCK_BYTES)
     assert rows(heads, tokens) < tokens
 
 
@@ -88,9 +88,9 @@ def test_the_estimate_is_the_peak_the_path_reaches(path):
     assert needed <= peak <= needed + LINEAR_SLACK, f"estimated {needed:,} bytes, the call's peak was {peak:,}"
 
 
-def test_blocked_averaging_needs_far_less_than_every_head_s_scores(monkeypatch):
+def test_blocked_averaging_needs_far_less_than_every_head_s_scores(forced_blocks):
     """The point of the blocked path, and what a guard counting (B, H, L, S) would wrongly refuse."""
-    monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", BLOCK_BYTES)
+    forced_blocks(BLOCK_BYTES)
     _, _, heads, tokens = PATHS["averaged_in_blocks"]
     needed, what = estimate(False, True, heads, tokens)
     every_head = heads * tokens * tokens * 4

@@ -364,6 +364,9 @@ def test_src_inside_dst_through_a_bind_mount_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------ signals at the commit
 
 
+PAUSED = Path(__file__).resolve().parent / "_paused_migration.py"  # the CLI held still at one point
+
+
 def _environment(tmp_path: Path, **extra) -> dict[str, str]:
     tests = str(Path(__file__).parent)
     return {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]), **extra}
@@ -379,8 +382,8 @@ def test_a_signal_inside_the_commit_acts_after_it_and_the_message_matches_the_di
     (out / "model-00001-of-00002.safetensors").unlink()  # so that old and new differ
     ready = tmp_path / "ready"
     process = subprocess.Popen(
-        [sys.executable, "-m", "slim_mha.migration", "strip", str(model), str(out), "--force", "--quiet"],
-        env=_environment(tmp_path, SLIM_MHA_MIGRATION_TEST_PAUSE=f"inside-commit={ready}"),
+        [sys.executable, str(PAUSED), "inside-commit", str(ready), "strip", str(model), str(out), "--force", "--quiet"],
+        env=_environment(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -29,6 +29,7 @@ from _migration_helpers import (  # noqa: F401 (private_ledger: autouse)
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+PAUSED = Path(__file__).resolve().parent / "_paused_migration.py"  # the CLI held still at one point
 LITTER = re.compile(r"\.(.+)\.slim-mha-(staging|retired)-[0-9a-f]{8}")
 
 
@@ -402,13 +403,9 @@ def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, sharded, monk
 
 
 def _start(source: Path, destination: Path, pause: str, ready: Path, *options: str) -> subprocess.Popen:
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "SLIM_MHA_MIGRATION_TEST_PAUSE": f"{pause}={ready}",
-    }
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
-        [sys.executable, "-m", "slim_mha.migration", "fold", str(source), str(destination), *options],
+        [sys.executable, str(PAUSED), pause, str(ready), "fold", str(source), str(destination), *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,7 +18,6 @@ from torch.nn.utils import parametrize
 
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
-from slim_mha import _explicit_attention as explicit
 from slim_mha import _explicit_attention as guard
 from slim_mha.bench.matrix.contenders import fast_path_enabled
 
@@ -201,7 +200,7 @@ SLIM_OWN = [
 
 
 @pytest.mark.parametrize("case", SLIM_OWN)
-def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, monkeypatch):
+def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, monkeypatch, forced_blocks):
     stock, slim = modules()
     x = tokens()
     with torch.no_grad():
@@ -218,7 +217,7 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # every request is checked: the guard's path
             assert_like_stock(stock, slim, x, x, x)
         elif case == "forced blocks":
-            monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", 1)
+            forced_blocks(1)
             assert_like_stock(stock, slim, x, x, x)
         elif case == "parametrized bias":
             for module in (stock, slim):

@@ -3,7 +3,7 @@
 Without a graph, averaged weights take one pass wherever it fits in memory and blocks of query
 rows where it does not (``_explicit_attention.rows_per_block``). Each path runs here on small inputs,
 through the module, over the attention kinds, appended tokens and masks, and is compared with
-stock ``nn.MultiheadAttention``: the path is forced (``_BLOCK_SCORES_BYTES``) or chosen by the guard
+stock ``nn.MultiheadAttention``: the path is forced (``forcing_blocks``) or chosen by the guard
 under a memory limit the test sets. Timing is the benchmark's (``python -m slim_mha.bench weights``).
 """
 
@@ -74,22 +74,24 @@ def inputs(kind: str, mask: str, appended: str, dtype: torch.dtype) -> tuple[tup
     return tokens, masks
 
 
-def force(path: str, monkeypatch, rows_seen: list, one_pass_bytes: int) -> None:
+def force(path: str, monkeypatch, forced_blocks, rows_seen: list, one_pass_bytes: int) -> None:
     """Make the averaged no-graph call take ``path``; record the rows of every blocked call."""
     run_in_blocks = explicit._attention_averaged_in_blocks
     monkeypatch.setattr(
         explicit, "_attention_averaged_in_blocks", lambda *a, **kw: rows_seen.append(a[4]) or run_in_blocks(*a, **kw)
     )
     if path == "blocks_of_1":
-        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", 1)
+        forced_blocks(1)
     elif path == "blocks_of_a_third":
-        monkeypatch.setattr(explicit, "_BLOCK_SCORES_BYTES", one_pass_bytes // 3)
+        forced_blocks(one_pass_bytes // 3)
     elif path == "guard_blocks":  # one byte short of one pass
         monkeypatch.setattr(explicit, "_CHECK_ABOVE_BYTES", 0)
         monkeypatch.setattr(explicit, "available_bytes", lambda device: (one_pass_bytes - 1, "the test's limit"))
 
 
-def compare(kind, appended, mask, path, monkeypatch, *, dtype=torch.float64, mode="inference_mode", average=True):
+def compare(
+    kind, appended, mask, path, monkeypatch, forced_blocks, *, dtype=torch.float64, mode="inference_mode", average=True
+):
     stock, slim = modules(kind, appended, dtype)
     tokens, masks = inputs(kind, mask, appended, dtype)
     context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
@@ -97,7 +99,7 @@ def compare(kind, appended, mask, path, monkeypatch, *, dtype=torch.float64, mod
         expected = stock(*tokens, average_attn_weights=average, **masks)
         rows_seen = []
         tgt_len, src_len = expected[1].shape[-2:]
-        force(path, monkeypatch, rows_seen, BATCH * (HEADS + 1) * tgt_len * src_len * dtype.itemsize)
+        force(path, monkeypatch, forced_blocks, rows_seen, BATCH * (HEADS + 1) * tgt_len * src_len * dtype.itemsize)
         out, weights = slim(*tokens, average_attn_weights=average, **masks)
         reference = float64_reference(stock, *tokens, average_attn_weights=average, **masks)
     assert_matches_stock(out, expected[0], reference[0])
@@ -109,8 +111,8 @@ CASES = list(itertools.product(ATTENTION_KINDS, APPENDED, MASKS, PATHS))
 
 
 @pytest.mark.parametrize("kind,appended,mask,path", CASES)
-def test_every_path_matches_stock(kind, appended, mask, path, monkeypatch):
-    rows_seen = compare(kind, appended, mask, path, monkeypatch)
+def test_every_path_matches_stock(kind, appended, mask, path, monkeypatch, forced_blocks):
+    rows_seen = compare(kind, appended, mask, path, monkeypatch, forced_blocks)
     tgt_len = SRC_LEN if kind == "self" else TGT_LEN
     if path == "one_pass":
         assert rows_seen == []
@@ -125,14 +127,14 @@ def test_every_path_matches_stock(kind, appended, mask, path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_every_path_matches_stock_in_each_dtype_and_mode(path, dtype, mode, monkeypatch):
-    compare("self", "none", "key_padding", path, monkeypatch, dtype=dtype, mode=mode)
+def test_every_path_matches_stock_in_each_dtype_and_mode(path, dtype, mode, monkeypatch, forced_blocks):
+    compare("self", "none", "key_padding", path, monkeypatch, forced_blocks, dtype=dtype, mode=mode)
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_per_head_weights_take_one_pass_whatever_memory_says(path, monkeypatch):
+def test_per_head_weights_take_one_pass_whatever_memory_says(path, monkeypatch, forced_blocks):
     """Per-head weights are (B, H, L, S) anyway: blocks would save nothing."""
-    assert compare("cross", "none", "attn_mask_float", path, monkeypatch, average=False) == []
+    assert compare("cross", "none", "attn_mask_float", path, monkeypatch, forced_blocks, average=False) == []
 
 
 def test_half_precision_one_pass_is_as_close_to_float64_as_stock():
@@ -175,11 +177,11 @@ def test_one_pass_is_taken_for_large_scores_where_memory_suffices(monkeypatch):
     assert plan().rows == 410
 
 
-def test_the_comparison_fails_on_a_wrong_average(monkeypatch):
+def test_the_comparison_fails_on_a_wrong_average(monkeypatch, forced_blocks):
     """The check can fail: weights summed over heads instead of averaged, on the one-pass path."""
     monkeypatch.setattr(explicit, "mean_over_heads", lambda scores: scores.sum(dim=1))
     with pytest.raises(AssertionError, match="weights: max error"):
-        compare("self", "none", "none", "one_pass", monkeypatch)
+        compare("self", "none", "none", "one_pass", monkeypatch, forced_blocks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

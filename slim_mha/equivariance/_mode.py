@@ -51,6 +51,7 @@ from weakref import WeakKeyDictionary, WeakSet
 import torch
 from torch import Tensor, nn
 
+from .._features import CHECKS, ENVIRONMENT_VARIABLE, check_every, resolve_options
 from .._stock_checks import AttentionCall
 from .._torch_compat import is_capturing_or_transforming
 from . import _rerun
@@ -73,28 +74,13 @@ from ._model_mode import ModelCheck, check_dim, check_model_options
 
 __all__ = ["ENVIRONMENT_VARIABLE", "SWITCH", "checking_equivariance", "check_call", "reset", "resolve_options"]
 
-ENVIRONMENT_VARIABLE = "SLIM_MHA_CHECK_EQUIVARIANCE"
-
 
 @dataclass(frozen=True)
 class _Scope:
     every: int
 
 
-class _Switch:
-    """Read by every slim ``forward``: is checking on anywhere in the process (a scope or the env var)?
-
-    A hint only, so that ``forward`` pays one attribute read when the mode is off; the check itself
-    then asks its own context (scopes are per thread and per async task).
-    """
-
-    __slots__ = ("active",)
-
-    def __init__(self) -> None:
-        self.active = False
-
-
-SWITCH = _Switch()
+SWITCH = CHECKS  # what every slim forward reads (slim_mha._features)
 _LOCK = threading.Lock()
 _open_scopes = 0  # in all threads; guarded by _LOCK
 _SCOPE: ContextVar[_Scope | None] = ContextVar("slim_mha_equivariance_scope", default=None)
@@ -138,22 +124,6 @@ def _configure_environment(value: str | None) -> None:
 _environment_scope: _Scope | None = None
 _environment_error: str | None = None  # the message for a value that is not understood
 _configure_environment(os.environ.get(ENVIRONMENT_VARIABLE))
-
-
-def resolve_options(check_equivariance: bool | None, every: int) -> tuple[bool | None, int]:
-    """Validate the constructor's options; returns them unchanged."""
-    if check_equivariance not in (None, True, False) or not isinstance(check_equivariance, (bool, type(None))):
-        raise ValueError(
-            f"check_equivariance must be True, False or None (None: follow {ENVIRONMENT_VARIABLE} and "
-            f"slim_mha.checking_equivariance()), got {check_equivariance!r}"
-        )
-    return check_equivariance, _check_every(every, "check_equivariance_every")
-
-
-def _check_every(every, name: str) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"{name} must be an int >= 1 (1 checks every call, N every N-th call), got {every!r}")
-    return every
 
 
 @contextmanager
@@ -250,7 +220,7 @@ def checking_equivariance(
 
 def _check_scope_options(model, every, strict, dim, invariant, output_dim, tolerance, permutation) -> int:
     """:func:`checking_equivariance`'s arguments, checked together (each error names the fix); ``every``."""
-    every = _check_every(every, "every")
+    every = check_every(every, "every")
     if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module (used to name failing modules), got {type(model).__name__}")
     if not isinstance(strict, bool):
@@ -353,7 +323,7 @@ def _sampling_period(module: nn.Module) -> int | None:
     if flag is False:
         return None
     if flag:
-        return _check_every(module.check_equivariance_every, "check_equivariance_every")
+        return check_every(module.check_equivariance_every, "check_equivariance_every")
     scope = _SCOPE.get()
     if scope is None and _environment_error is not None:
         raise ValueError(_environment_error)
@@ -571,3 +541,6 @@ def _shape(tensor: Tensor) -> str:
 
 def _dtype(tensor: Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
+
+
+CHECKS.run = check_call  # every slim forward reaches the check through slim_mha._features

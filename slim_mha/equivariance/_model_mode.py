@@ -34,9 +34,8 @@ from contextvars import ContextVar
 from weakref import WeakKeyDictionary
 
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
-from .._torch_compat import is_capturing_or_transforming, is_symbolic_call
+from .._torch_compat import is_capturing_or_transforming, is_symbolic_call, pytree
 from . import _context
 from ._checker import CheckedCall, error_for, measure
 from ._context import type_name

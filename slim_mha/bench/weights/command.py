@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ... import _explicit_attention as explicit
+from ...paths import forcing_blocks
 from ..matrix.cases import TARGET_SHAPES, Case, parse_shape
 from ..matrix.contenders import (
     MASKS,
@@ -115,15 +115,7 @@ def _in_blocks(slim: Contender, shape: tuple[int, int, int, int], blocks: int) -
     batch, length, _, heads = shape
     block_bytes = batch * heads * length * -(-length // blocks) * 4  # fp32 scores of one block
 
-    @contextlib.contextmanager
-    def forced():
-        explicit._BLOCK_SCORES_BYTES = block_bytes
-        try:
-            yield
-        finally:
-            explicit._BLOCK_SCORES_BYTES = None
-
-    return _slim_within(slim, "blocks", forced)
+    return _slim_within(slim, "blocks", lambda: forcing_blocks(block_bytes))
 
 
 def _in_one_pass(slim: Contender) -> Contender:
