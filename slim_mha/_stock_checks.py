@@ -65,11 +65,12 @@ class PreparedCall(NamedTuple):
     is_causal: bool  # SDPA may take the is_causal hint instead of a mask (both masks are then None)
 
 
-def prepare_call(module, call: AttentionCall) -> PreparedCall:
+def prepare_call(module, call: AttentionCall, *, batch_major: bool | None = None) -> PreparedCall:
     """Stock's checks of ``call`` to ``module`` that come before its projections, in stock's order,
     with its exceptions (the masks' shapes come after: :func:`attention_mask`); and the facts slim's
     own path reads: the layout, the fusing, whether stock would return batch-major memory, and
-    whether autograd records a call with weights."""
+    whether autograd records a call with weights. ``batch_major``: :func:`stock_returns_batch_major`
+    for the batched call where the path's choice already asked it."""
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     state = module.__dict__  # read from the dictionary: a call of the smallest sizes is a few dozen microseconds
     batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, state["num_heads"])
@@ -77,7 +78,9 @@ def prepare_call(module, call: AttentionCall) -> PreparedCall:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
-    fast_path = batched and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
+    if batch_major is None and batched:
+        batch_major = stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
+    fast_path = batched and bool(batch_major)
     batch_first = state["batch_first"] or not batched
     if batch_first:
         sizes = (query.shape[0], query.shape[1], key.shape[1])
@@ -100,7 +103,12 @@ def records_graph(*tensors: Tensor | None) -> bool:
     """Whether autograd records an op on these tensors: grad mode is on and one of them requires grad
     (``None`` entries skipped). The one copy of the rule: path choice, stock's fast-path tests and
     slim's own path read it."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for tensor in tensors:  # a loop, not any(...): a generator is a frame of its own on every call
+        if tensor is not None and tensor.requires_grad:
+            return True
+    return False
 
 
 def module_records_graph(module, *inputs: Tensor | None) -> bool:
@@ -112,16 +120,15 @@ def module_records_graph(module, *inputs: Tensor | None) -> bool:
         return False
     if records_graph(*inputs):
         return True
-    out_proj = module._modules["out_proj"]  # stock's __init__ registers it, always
-    return any(
-        parameter is not None and parameter.requires_grad
-        for owner in (module, out_proj)
-        for parameters in (
-            owner._parameters.values(),
-            owner._modules["parametrizations"].parameters() if "parametrizations" in owner._modules else (),
-        )
-        for parameter in parameters
-    )
+    for owner in (module, module._modules["out_proj"]):  # stock's __init__ registers out_proj, always
+        for parameter in owner._parameters.values():  # loops, not any(...): no generator frames per call
+            if parameter is not None and parameter.requires_grad:
+                return True
+        if "parametrizations" in owner._modules:
+            for parameter in owner._modules["parametrizations"].parameters():
+                if parameter.requires_grad:
+                    return True
+    return False
 
 
 def is_batched_mha_input(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -11,14 +13,7 @@ from torch import Tensor, nn
 
 from . import inspection
 from ._explicit_attention import attention_with_weights, query_scale
-from ._features import (
-    CHECKS,
-    UNREAD,
-    load_checks,
-    resolve_options,
-    resolve_skip_option,
-    wanted_by_environment,
-)
+from ._features import CHECKS, UNREAD, checks_wanted_by_environment, resolve_options, resolve_skip_option
 from ._stock_checks import (
     AttentionCall,
     PreparedCall,
@@ -27,7 +22,6 @@ from ._stock_checks import (
     open_empty_rows,
     prepare_call,
     sdpa_needs_empty_rows_mended,
-    stock_module_takes_fast_path,
 )
 from ._swap import (
     FOLDED_VALUE_BIAS,
@@ -49,7 +43,7 @@ from .bias import (
     without_key_bias,
     without_key_bias_eager,
 )
-from .paths import PATHS_TAKEN, choose_path
+from .paths import PATHS_TAKEN, CallPlan, choose_path
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
 
@@ -155,28 +149,28 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         call = AttentionCall(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
-        path, why = choose_path(self, call)
+        plan = choose_path(self, call)
         if inspection.EXPLAINING:
-            inspection.note(self, "attention", path, why or PATHS_TAKEN[path])
-        if path != "general":
-            result = getattr(self, _RUNS[path])(call)
-        else:
-            discarded = need_weights and self.skip_unread_weights and UNREAD.discarded(self, query)
-            result = self._slim_general_with_options(call, discarded)
+            inspection.note(self, "attention", plan.path, plan.why or PATHS_TAKEN[plan.path])
+        result = getattr(self, _RUNS[plan.path])(call, plan)
         # The check follows whatever path ran, so that checking changes no output, not even its last bits;
         # calls whose tensors hold no values (traced, compiled, transformed, faked) are not checked.
         if (self.check_equivariance or CHECKS.active) and not is_symbolic_call(query):
-            CHECKS.check(self, result, call)
+            if CHECKS.run is None:  # check_equivariance set by hand, before the check was loaded
+                _load_feature("check")
+            cast(Callable, CHECKS.run)(self, result, call)
         return result
 
-    def _slim_recorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_recorded(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """The call with every head's weights, on the path it takes with weights, handed to the open
         ``recording_attention`` blocks; returns what the caller asked for."""
         return inspection.record_call(self, self._slim_unrecorded, self._slim_maps, call)
 
     def _slim_unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-        path, _ = choose_path(self, call, recording=False)
-        return getattr(self, _RUNS[path])(call) if path != "general" else self._slim_general_with_options(call, False)
+        plan = choose_path(self, call, recording=False)
+        if plan.path == "general":  # weights computed for the maps are not skipped
+            return self._slim_general(call, plan=plan)
+        return getattr(self, _RUNS[plan.path])(call, plan)
 
     def _slim_maps(self, call: AttentionCall, per_head: bool) -> Tensor:
         """The attention probabilities of ``call``, every head's ``(B, H, L, S)`` or their average
@@ -186,7 +180,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         with torch.no_grad():
             return cast(Tensor, self._slim_general(maps_call, dropout_p=0.0)[1])
 
-    def _slim_traced(self, call: AttentionCall):
+    def _slim_traced(self, call: AttentionCall, plan: CallPlan):
         # fx records the call as a caller writes it for stock: query, key and value, then the keywords
         # whose values differ from stock's defaults
         keywords = {
@@ -196,11 +190,11 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         }
         return fx_proxy_of(self, call.query, tuple(call[:3]), keywords)
 
-    def _slim_stock_forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_forward(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Stock's own ``forward``: nested tensors, which only stock's native kernel takes."""
         return super().forward(*call)
 
-    def _slim_stock_kernel(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_kernel(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Stock's native kernel, given ``[b_q; 0; b_v]``: batch-first self-attention, called as stock's
         fast path calls it, its masks made canonical and merged by stock's rules and stock's own
         ``merge_masks`` (a sequence-first query, unmasked, goes in as a transposed view, its output
@@ -230,7 +224,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             out = out.transpose(0, 1).contiguous()
         return out, weights
 
-    def _slim_stock_ops(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    def _slim_stock_ops(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Stock's Python path with weights and without masks, given ``[b_q; 0; b_v]``: its products,
         softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
         ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
@@ -254,38 +248,46 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             weights = weights.mean(dim=1)
         return (out.transpose(1, 0) if self.batch_first else out), weights
 
-    def _slim_general_with_options(self, call: AttentionCall, weights_discarded: bool) -> tuple[Tensor, Tensor | None]:
+    def _slim_general_with_options(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, with weights skipped where the caller provably discards them."""
-        drop_weights = False
-        if weights_discarded:
-            call, drop_weights = UNREAD.call_without_weights(call, self.training and self.dropout > 0.0)
-        result = self._slim_general(call)
+        if not (call.need_weights and self.skip_unread_weights):
+            return self._slim_general(call, plan=plan)
+        if UNREAD.discarded is None:  # skip_unread_weights set by hand, before the feature was loaded
+            _load_feature("unread weights")
+        if not cast(Callable, UNREAD.discarded)(self, call.query):
+            return self._slim_general(call, plan=plan)
+        call, drop_weights = cast(Callable, UNREAD.call_without_weights)(call, self.training and self.dropout > 0.0)
+        result = self._slim_general(call, plan=plan)
         return (result[0], None) if drop_weights else result
 
-    def _slim_sdpa(self, call: AttentionCall) -> tuple[Tensor, None]:
+    def _slim_sdpa(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, None]:
         """The general path's ops for plain self-attention without weights, nothing else."""
         query = call.query
         projected = F.linear(query, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias))
         q, k, v = split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
         del projected
-        # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E). The
-        # rest of stock's fast-path test is this path's own entry condition.
-        batch_major = self.batch_first and stock_module_takes_fast_path(self)
+        batch_major = bool(plan.batch_major)  # stock's layout: its kernel's (B, L, E), else (L, B, E)
         out = merge_heads(F.scaled_dot_product_attention(q, k, v), batch_major)
         del q, k, v  # free the projection before the output projection allocates: lower peak
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         return (out.transpose(0, 1) if self.batch_first and not batch_major else out), None
 
-    def _slim_general(self, call: AttentionCall, dropout_p: float | None = None) -> tuple[Tensor, Tensor | None]:
+    def _slim_general(
+        self, call: AttentionCall, dropout_p: float | None = None, plan: CallPlan | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """Slim's own path, top to bottom: stock's checks before its projections, the projections
         without the key bias, the appended tokens, the masks' shapes, the kernel (SDPA, or the
         explicit one where weights are asked for), the heads merged in stock's layout, the output
-        projection. ``dropout_p``: the module's (in training) unless given."""
+        projection. ``dropout_p``: the module's (in training) unless given. ``plan``: what
+        ``choose_path`` learnt of the call, not asked again (recomputations come without one)."""
         if dropout_p is None:
             dropout_p = self.dropout if self.training else 0.0
         need_weights, H = call.need_weights, self.num_heads
-        prepared = prepare_call(self, call)  # batched; stock's checks, its layout and fusing; canonical masks
-        symbolic = is_symbolic_call(call.query)  # asked once: the projections and the weights path need it
+        known = plan or _UNPLANNED
+        # batched; stock's checks, its layout and fusing; canonical masks
+        prepared = prepare_call(self, call, batch_major=known.batch_major)
+        # asked once: the projections and the weights path need it
+        symbolic = is_symbolic_call(call.query) if known.symbolic is None else known.symbolic
 
         # Weights in one pass, without a graph: q, k and v head-major, each head's rows one matrix, the
         # queries scaled, so the weights path multiplies them as they are and writes into the queries.
@@ -448,9 +450,17 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
+# The optional features, each imported where first wanted; each registers on slim_mha._features.
+_FEATURES = {"check": "slim_mha.equivariance._mode", "unread weights": "slim_mha.unread_weights"}
+
+
+def _load_feature(name: str) -> None:
+    importlib.import_module(_FEATURES[name])
+
+
 # The environment turns the per-call check on for the whole process: load it with the class.
-if wanted_by_environment():
-    load_checks()
+if checks_wanted_by_environment():
+    _load_feature("check")
 
 # Stock's forward's keyword defaults (None, True, False: compared by identity), read off its signature.
 _STOCK_DEFAULTS = {
@@ -459,7 +469,7 @@ _STOCK_DEFAULTS = {
     if parameter.default is not inspect.Parameter.empty
 }
 
-# The method that runs each path that choose_path names ("general", with slim's options, runs in forward).
+# The method that runs each path that choose_path names, given the call and its plan.
 _RUNS = {
     "traced": "_slim_traced",
     "nested": "_slim_stock_forward",
@@ -467,7 +477,9 @@ _RUNS = {
     "stock kernel": "_slim_stock_kernel",
     "stock ops": "_slim_stock_ops",
     "sdpa": "_slim_sdpa",
+    "general": "_slim_general_with_options",
 }
+_UNPLANNED = CallPlan("general")  # a recomputation's: every fact asked afresh
 
 
 def slim_options(
@@ -475,13 +487,18 @@ def slim_options(
 ) -> dict:
     """Slim's own options as the instance attributes that hold them, resolved and checked once."""
     check, every = resolve_options(check_equivariance, check_equivariance_every)
+    skip = resolve_skip_option(skip_unread_weights)
+    if check:
+        _load_feature("check")
+    if skip:
+        _load_feature("unread weights")
     return {
         # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
         # slim_mha.checking_equivariance() (see slim_mha.equivariance).
         "check_equivariance": check,
         "check_equivariance_every": every,
         # Skip weights the caller provably discards (see slim_mha.unread_weights).
-        "skip_unread_weights": resolve_skip_option(skip_unread_weights),
+        "skip_unread_weights": skip,
     }
 
 
@@ -516,7 +533,10 @@ def split_heads(
     order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
     # One part is not split: a split into one piece still copies its gradient in the backward.
     pieces = projected.split_with_sizes((num_heads * head_dim,) * parts, dim=-1) if parts > 1 else (projected,)
-    return [part.view(d0, d1, num_heads, head_dim).permute(order) for part in pieces]  # (B, H, L, D) each
+    split: list[Tensor] = []  # a loop, not a comprehension: no frame of its own on every call
+    for part in pieces:
+        split.append(part.view(d0, d1, num_heads, head_dim).permute(order))  # (B, H, L, D)
+    return split
 
 
 def merge_heads(out: Tensor, batch_first: bool) -> Tensor:

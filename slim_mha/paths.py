@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,9 +51,27 @@ __all__ = [
     "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES",
     "STOCK_KERNEL_MAX_SCORE_BYTES",
     "STOCK_OPS_MAX_SCORE_BYTES",
+    "CallPlan",
     "choose_path",
     "forcing_blocks",
 ]
+
+
+class CallPlan(NamedTuple):
+    """What :func:`choose_path` decided for one call, decided once and read by the path that runs it.
+
+    path: one of those this module's docstring names. why: why the call could not take a shorter
+    path (``""`` where it takes one). symbolic: the call's tensors may not be real ones
+    (:func:`~slim_mha._torch_compat.is_symbolic_call`), ``None`` where the choice never asked.
+    batch_major: stock returns this call's output as ``(B, L, E)`` memory (its fast path), ``None``
+    where the choice never asked.
+    """
+
+    path: str
+    why: str = ""
+    symbolic: bool | None = None
+    batch_major: bool | None = None
+
 
 # What each path is, in the words explain prints where choose_path gives no reason (it names why a
 # call could not take a shorter path, and a path it takes without one needs none).
@@ -105,9 +123,10 @@ ONE_PASS_FROM_SCORE_BYTES = 64 << 10
 
 def choose_path(
     module: nn.MultiheadAttention, call: AttentionCall, *, recording: bool = True, as_real: bool = False
-) -> tuple[str, str]:
-    """The path ``call`` takes (one of those this module's docstring names), and why it cannot take a shorter
-    one (``""`` when it takes one). The one owner of the choice, as stock's ``why_not_fast_path`` owns stock's.
+) -> CallPlan:
+    """The plan ``call`` runs: the path it takes (one of those this module's docstring names), why it
+    cannot take a shorter one, and the facts the choice learnt that the path needs again. The one owner
+    of the choice, as stock's ``why_not_fast_path`` owns stock's.
 
     ``as_real``: take fake tensors (``FakeTensorMode``) as the real ones they stand for, to tell which
     path a call would take on a device this machine lacks (``tests/test_fake_cuda.py``); a call on
@@ -118,33 +137,29 @@ def choose_path(
     """
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     if isinstance(query, torch.fx.Proxy):
-        return "traced", ""
+        return CallPlan("traced")
     if query.is_nested or key.is_nested or value.is_nested:
-        return "nested", ""
+        return CallPlan("nested")
     if recording and inspection.RECORDING and inspection.watched(module):
-        return "recorded", "attention maps are being recorded (slim_mha.recording_attention)"
-    why = _why_slims_own_path(module, query, need_weights, as_real)
+        return CallPlan("recorded", "attention maps are being recorded (slim_mha.recording_attention)")
+    symbolic = is_symbolic_call(query)
+    stand_ins = not as_real and (symbolic or type(query) is not Tensor)
+    why = _why_slims_own_path(module, query, need_weights, stand_ins)
     if why:
-        return "general", why
+        return CallPlan("general", why, symbolic)
     state = module.__dict__
-    plain = (
-        query is key
-        and key is value
-        and key_padding_mask is None
-        and attn_mask is None
-        and not is_causal
-        and state["_qkv_same_embed_dim"]
-    )
+    same_width = state["_qkv_same_embed_dim"]
     # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
     device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
-    if plain:
-        path, why = _self_attention_path(module, query, device, need_weights)
-    elif query is key and key is value and not is_causal and state["_qkv_same_embed_dim"]:
-        path, why = _masked_self_attention_path(module, call, device)
+    if query is key and key is value and not is_causal and same_width:
+        if key_padding_mask is None and attn_mask is None:
+            plan = _self_attention_path(module, query, device, need_weights)
+        else:
+            plan = _masked_self_attention_path(module, call, device)
     else:
-        path, why = "general", "masks or cross-attention"
-    if path != "general":
-        return path, why
+        plan = CallPlan("general", "masks or cross-attention")
+    if plan.path != "general":
+        return plan._replace(symbolic=symbolic)
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
     if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
@@ -155,13 +170,11 @@ def choose_path(
                 and not (state["training"] and state["dropout"] > 0.0)
             )
             if not one_pass or module_records_graph(module, query, key, value):
-                return "stock ops", ""
-    return "general", why
+                return CallPlan("stock ops", "", symbolic)
+    return plan._replace(symbolic=symbolic)
 
 
-def _self_attention_path(
-    module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool
-) -> tuple[str, str]:
+def _self_attention_path(module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool) -> CallPlan:
     """For plain self-attention: ``"stock kernel"`` or ``"sdpa"`` where one runs it, else ``"general"``
     and why neither does, as :func:`choose_path` names them."""
     state = module.__dict__
@@ -170,45 +183,47 @@ def _self_attention_path(
     # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
     autocast = torch.is_autocast_enabled(device)
     if autocast and device == "cuda":
-        return "general", "autocast on CUDA, where stock runs its Python path"
-    training = state["training"]
-    if module_records_graph(module, query):
-        return "general", "a graph is recorded"
-    if training and state["dropout"] > 0.0:
-        return "general", "attention dropout"
+        return CallPlan("general", "autocast on CUDA, where stock runs its Python path")
+    if torch.is_grad_enabled() and module_records_graph(module, query):
+        return CallPlan("general", "a graph is recorded")
+    if state["training"] and state["dropout"] > 0.0:
+        return CallPlan("general", "attention dropout")
     kernel = stock_module_takes_fast_path(module)
-    batch, length = query.shape[:2] if state["batch_first"] else (query.shape[1], query.shape[0])
+    batch_first = state["batch_first"]
+    batch, length = query.shape[:2] if batch_first else (query.shape[1], query.shape[0])
     if need_weights:
         if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
-            return "stock kernel", ""
-        return "general", "weights stock's fast path would not compute, or too large to check"
+            return CallPlan("stock kernel")
+        return CallPlan("general", "weights stock's fast path would not compute, or too large to check")
     largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype), -1)
     if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
-        return "stock kernel", ""  # under the CPU's autocast always: stock runs it there
-    return "sdpa", ""
+        return CallPlan("stock kernel")  # under the CPU's autocast always: stock runs it there
+    # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E); the rest
+    # of stock's fast-path test is this path's own entry condition.
+    return CallPlan("sdpa", batch_major=batch_first and kernel)
 
 
-def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> tuple[str, str]:
+def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> CallPlan:
     """For self-attention with masks: ``"stock kernel"`` where stock's fast path would run its kernel
     with the masks and it is the faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else
     ``"general"`` and why. Never where a query sees no key: the kernel turns that row to NaN."""
     query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
     largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
-        return "general", "masks, where stock's kernel with masks is not the faster (or not measured)"
+        return CallPlan("general", "masks, where stock's kernel with masks is not the faster (or not measured)")
     state = module.__dict__
     if not state["batch_first"]:  # stock's fast path takes batch-first calls alone
-        return "general", "masks, on a call stock's fast path would not take"
+        return CallPlan("general", "masks, on a call stock's fast path would not take", batch_major=False)
     batch, length = query.shape[:2]
     if batch * state["num_heads"] * length * length * query.element_size() > largest:
-        return "general", "masks, on scores larger than stock's kernel is the faster at"
+        return CallPlan("general", "masks, on scores larger than stock's kernel is the faster at")
     if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
-        return "general", "masks, on a call stock's fast path would not take"
+        return CallPlan("general", "masks, on a call stock's fast path would not take", batch_major=False)
     if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
-        return "general", "weights too large to check"
+        return CallPlan("general", "weights too large to check", batch_major=True)
     if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
-        return "general", "a query masked from every key, which stock's kernel turns to NaN"
-    return "stock kernel", ""
+        return CallPlan("general", "a query masked from every key, which stock's kernel turns to NaN", batch_major=True)
+    return CallPlan("stock kernel", batch_major=True)
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:
@@ -225,8 +240,9 @@ def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tenso
     return batch * state["num_heads"] * length * source * query.element_size()
 
 
-def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool, as_real: bool) -> str:
-    """The first reason a call can take no path but slim's own, or ``""``."""
+def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool, stand_ins: bool) -> str:
+    """The first reason a call can take no path but slim's own, or ``""``. ``stand_ins``: the call's
+    tensors may not be real ones (traced, transformed, faked or a subclass), and are not taken as such."""
     state, parameters = module.__dict__, module._parameters
     if need_weights and module.skip_unread_weights:
         return "slim's own option skip_unread_weights"
@@ -239,7 +255,7 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
         return "no input or output bias, or a parametrized projection"
     if state.get(FOLDED_VALUE_BIAS):
         return "a folded value bias, which refuses rows masked from every key"
-    if not as_real and (type(query) is not Tensor or is_symbolic_call(query)):
+    if stand_ins:
         return "a trace, transform, fake tensor or tensor subclass"
     shape = query.shape
     if len(shape) != 3 or shape[2] != state["embed_dim"] or not (shape[0] and shape[1]):

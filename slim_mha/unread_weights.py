@@ -138,11 +138,12 @@ def call_without_weights(call: AttentionCall, drops_attention: bool) -> tuple[At
 def weights_discarded(module: nn.Module, query: object) -> bool:
     """Whether the caller of ``module``'s current ``forward`` provably discards the weights.
 
-    Called from ``forward`` itself (its frame is the one just below this function's).
+    Called from the general path's runner, which ``forward`` calls: ``forward``'s frame is the
+    second below this function's.
     """
     if is_symbolic_call(query):
         return False
-    return _discarding_caller(sys._getframe(1), module) is not None
+    return _discarding_caller(sys._getframe(2), module) is not None
 
 
 # ------------------------------------------------------------------------------- the proof

@@ -588,7 +588,7 @@ def test_diverging_control_flow_is_reported():
 
 def test_errors_of_the_assertion_mode_inside_a_checked_model_carry_its_names():
     class Leak(SlimMultiheadAttention):
-        def _slim_general(self, call, dropout_p=None):
+        def _slim_general(self, call, dropout_p=None, plan=None):
             output, weights = super()._slim_general(call, dropout_p)
             return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 

@@ -65,7 +65,7 @@ def _ramp(tensor: torch.Tensor, axis: int, height: float) -> torch.Tensor:
 class QueryPositionLeak(SlimMultiheadAttention):
     """Adds each query's position to its output row: the output no longer follows the queries."""
 
-    def _slim_general(self, call, dropout_p=None):
+    def _slim_general(self, call, dropout_p=None, plan=None):
         output, weights = super()._slim_general(call, dropout_p)
         return output + _ramp(output, _token_axis(self, call.query), 0.5), weights
 
@@ -73,7 +73,7 @@ class QueryPositionLeak(SlimMultiheadAttention):
 class KeyPositionLeak(SlimMultiheadAttention):
     """Adds each key's position to the key: reordering keys and values changes the output."""
 
-    def _slim_general(self, call, dropout_p=None):
+    def _slim_general(self, call, dropout_p=None, plan=None):
         key = call.key + _ramp(call.key, _token_axis(self, call.key), 2.0)
         return super()._slim_general(call._replace(key=key), dropout_p)
 
@@ -81,7 +81,7 @@ class KeyPositionLeak(SlimMultiheadAttention):
 class WeightColumnLeak(SlimMultiheadAttention):
     """Returns the right output but weights whose columns are rolled by one."""
 
-    def _slim_general(self, call, dropout_p=None):
+    def _slim_general(self, call, dropout_p=None, plan=None):
         output, weights = super()._slim_general(call, dropout_p)
         return output, None if weights is None else weights.roll(1, dims=-1)
 
@@ -439,7 +439,7 @@ def test_environment_variable_end_to_end():
         from slim_mha import EquivarianceError, SlimMultiheadAttention
 
         class Leak(SlimMultiheadAttention):
-            def _slim_general(self, call, dropout_p=None):
+            def _slim_general(self, call, dropout_p=None, plan=None):
                 output, weights = super()._slim_general(call, dropout_p)
                 return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 
@@ -552,7 +552,7 @@ def test_error_survives_pickling():
 class PositionalBias(SlimMultiheadAttention):
     """Adds a bias by query/key distance (ALiBi-like) to the mask: a mask that does not follow the tokens."""
 
-    def _slim_general(self, call, dropout_p=None):
+    def _slim_general(self, call, dropout_p=None, plan=None):
         query, key, attn_mask = call.query, call.key, call.attn_mask
         axis = _token_axis(self, query)
         rows = torch.arange(query.shape[axis], dtype=query.dtype)

@@ -426,7 +426,7 @@ def test_per_call_checks_go_on_in_the_same_block_and_the_reruns_are_not_checked(
 
 def test_a_leaking_attention_is_still_caught_by_its_own_call_check():
     class Leak(SlimMultiheadAttention):
-        def _slim_general(self, call, dropout_p=None):
+        def _slim_general(self, call, dropout_p=None, plan=None):
             output, weights = super()._slim_general(call, dropout_p)
             return output + torch.arange(output.shape[1], dtype=output.dtype).view(1, -1, 1), weights
 

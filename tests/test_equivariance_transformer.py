@@ -93,7 +93,7 @@ def test_a_transformer_with_a_causal_mask_trains_under_the_mode_unchanged(how, s
 class PositionalBias(SlimMultiheadAttention):
     """Adds a fixed distance bias (ALiBi-like) to the mask it is given: a mask that does not follow the tokens."""
 
-    def _slim_general(self, call, dropout_p=None):
+    def _slim_general(self, call, dropout_p=None, plan=None):
         query, key, attn_mask = call.query, call.key, call.attn_mask
         rows = torch.arange(query.shape[1], dtype=query.dtype).view(-1, 1)
         columns = torch.arange(key.shape[1], dtype=query.dtype).view(1, -1)

@@ -118,3 +118,51 @@ def test_the_migration_pause_is_set_from_outside(point, tmp_path):
 
     assert _staging.AT_POINT is None
     _staging.pause_for_tests(point)  # a no-op: nothing set
+
+
+def entered(call) -> list[tuple[str, str]]:
+    """The slim_mha functions ``call()`` enters (file, qualified name), in order, after one warm-up call."""
+    import torch  # noqa: F401  (the calls below need it loaded before the profile starts)
+
+    call()
+    seen: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and f"{os.sep}slim_mha{os.sep}" in frame.f_code.co_filename:
+            seen.append((frame.f_code.co_filename.rsplit(f"{os.sep}slim_mha{os.sep}", 1)[1], frame.f_code.co_qualname))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+# What a call crosses, as measured once one plan per call carried its facts to the path (11 functions
+# in 6 files and 48 in 6 before): ceilings, so that a change that adds to a hot path shows here.
+EVAL_CEILING = (9, 5)  # functions, files: eval self-attention without a mask or weights, under no_grad
+MASKED_TRAINING_CEILING = (35, 6)  # training with a padding mask and stock's default need_weights=True
+
+
+def test_the_hot_paths_cross_few_functions():
+    import torch
+
+    from slim_mha import SlimMultiheadAttention
+
+    attention = SlimMultiheadAttention(64, 4, batch_first=True)
+    x = torch.randn(2, 16, 64)
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[0, -3:] = True
+
+    def inference():
+        with torch.no_grad():
+            attention.eval()(x, x, x, need_weights=False)
+
+    def masked_training():
+        attention.train()(x, x, x, key_padding_mask=padding)
+
+    for call, (functions, files) in ((inference, EVAL_CEILING), (masked_training, MASKED_TRAINING_CEILING)):
+        seen = entered(call)
+        assert len(seen) <= functions and len({file for file, _ in seen}) <= files, seen
+    assert ("paths.py", "choose_path") in entered(inference)  # the profile sees slim's frames

@@ -231,7 +231,7 @@ def test_explain_agrees_with_the_one_owner_of_the_choice():
 
     with torch.no_grad():
         (row,) = slim_mha.explain(slim, x, x, x)
-        path, why = choose_path(slim, AttentionCall(x, x, x, None, True, None, True, False))
+        path, why = choose_path(slim, AttentionCall(x, x, x, None, True, None, True, False))[:2]
         assert (row.path, row.why) == (path, why or PATHS_TAKEN[path])  # a short path: what it is
     assert row.module == "(the model)" and row.kind == "attention"
     assert encoder_layer.layer_path  # the layer's rows come from it (test above)

@@ -20,6 +20,7 @@ import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha.bench.matrix.contenders import fast_path_enabled
 from slim_mha.bench.measure.memory import profile_step
+from slim_mha.paths import CallPlan
 
 from _plain_calls import (
     BATCH,
@@ -55,7 +56,8 @@ def short_calls(monkeypatch) -> list:
 def general_path_only(monkeypatch):
     """Every call through the general path, as before the short path existed."""
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "choose_path", lambda module, call: ("general", "the test's"))  # forward's binding
+        general = CallPlan("general", "the test's")
+        patch.setattr(attention, "choose_path", lambda module, call: general)  # forward's binding
         yield
 
 

@@ -289,8 +289,8 @@ def test_recognised_site_returns_none_as_the_weights(monkeypatch):
     # A wrapper around forward would become the caller, so record below it, from _slim_general.
     original_attend = SlimMultiheadAttention._slim_general
 
-    def attend(self, *args):
-        result = original_attend(self, *args)
+    def attend(self, *args, **kwargs):
+        result = original_attend(self, *args, **kwargs)
         received.append(result[1])
         return result
 
