@@ -53,3 +53,9 @@ def set_transformer() -> nn.Module:
 def point_set() -> tuple:
     """Four sets of 1024 points, 64 features each, seeded."""
     return (torch.randn(4, 1024, 64, generator=torch.Generator().manual_seed(0)),)
+
+
+def transformer_encoder() -> nn.Module:
+    """A 4-layer batch-first nn.TransformerEncoder, E=256, H=8 (the issue on compiled models' probe)."""
+    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)

@@ -199,28 +199,37 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         fast path calls it, its masks made canonical and merged by stock's rules and stock's own
         ``merge_masks`` (a sequence-first query, unmasked, goes in as a transposed view, its output
         comes back in stock's layout)."""
-        query = call.query if self.batch_first else call.query.transpose(0, 1)  # (B, L, E), as a view
+        batch_first = self.__dict__["batch_first"]
+        query = call.query if batch_first else call.query.transpose(0, 1)  # (B, L, E), as a view
         mask, mask_type = None, None
-        if call.key_padding_mask is not None or call.attn_mask is not None:
+        padding = call.key_padding_mask
+        if call.attn_mask is None and padding is not None and padding.dtype == torch.bool and query.is_cpu:
+            # The CPU kernel reads its mask as a bool one (masked where non-zero), so stock's additive
+            # form of a bool padding mask reads back as the mask itself: it goes in as it is, without
+            # the two ops that make it additive (tests/test_masked_kernel.py holds them bit for bit).
+            mask, mask_type = padding, 1
+        elif padding is not None or call.attn_mask is not None:
             key_padding_mask = additive_mask(
                 call.key_padding_mask, "key_padding_mask", query.dtype, other=call.attn_mask, other_name="attn_mask"
             )
             mask, mask_type = self.merge_masks(
                 additive_mask(call.attn_mask, "attn_mask", query.dtype), key_padding_mask, query
             )
+        # Read from the dictionaries: each nn.Module attribute look-up costs a percent of a small call.
+        p, out_p = self._parameters, cast(nn.Module, self._modules["out_proj"])._parameters
         out, weights = stock_kernel(
             query,
-            self.num_heads,
-            self.in_proj_weight,
-            without_key_bias_eager(self.in_proj_bias),
-            self.out_proj.weight,
-            self.out_proj.bias,
+            self.__dict__["num_heads"],
+            cast(Tensor, p["in_proj_weight"]),
+            without_key_bias_eager(cast(Tensor, p["in_proj_bias"])),
+            cast(Tensor, out_p["weight"]),
+            cast(Tensor, out_p["bias"]),
             call.need_weights,
             call.average_attn_weights,
             mask,
             mask_type,
         )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
-        if not self.batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
+        if not batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
             out = out.transpose(0, 1).contiguous()
         return out, weights
 

@@ -7,6 +7,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -398,15 +399,15 @@ def test_masked_contenders_compute_stocks_function_and_stock_keeps_its_kernel(ma
     from slim_mha.bench.matrix.contenders import build_contenders, output_error
     from slim_mha.bench.measure.memory import profile_step, took_native_fast_path
 
-    case = Case(4, 16, 32, 4, "self", need_weights, "inference", "fp32")
-    contenders = build_contenders(case, torch.device("cpu"), masks=masks)
+    case = Case(4, 16, 32, 4, "self", need_weights, "inference", "fp32", masks)
+    contenders = build_contenders(case, torch.device("cpu"))
     with torch.inference_mode():
         outputs = {name: contender.forward() for name, contender in contenders.items()}
         stock_ops = profile_step(contenders["stock"].step, torch.device("cpu")).op_names
     assert took_native_fast_path(stock_ops)
     for name in ("slim", "floor"):
         assert output_error(outputs["stock"], outputs[name]) < 1e-5, name
-    unmasked = build_contenders(case, torch.device("cpu"))["stock"]
+    unmasked = build_contenders(replace(case, masks="none"), torch.device("cpu"))["stock"]
     with torch.inference_mode():
         assert output_error(outputs["stock"], unmasked.forward()) > 1e-3  # the masks change the answer
 
@@ -461,3 +462,21 @@ def test_a_verdict_that_leaves_stalled_cases_out_says_how_many_within_120_column
     text = format_targets(checks)
     assert text.count("13 stalled left out") == 2
     assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_the_quick_matrix_holds_masked_cases_and_masks_select_them():
+    """A padding mask, in inference and training, with and without weights, at a small and a target
+    shape; --masks builds them as an axis, for self-attention alone, and names them."""
+    from slim_mha.bench.matrix.cases import MASKED_SHAPES, build_matrix
+
+    quick = [case for case in build_matrix(device="cpu", dtypes=["fp32"]) if case.masks == "padding"]
+    assert {(case.shape, case.mode, case.need_weights) for case in quick} == {
+        (shape, mode, weights)
+        for shape in MASKED_SHAPES
+        for mode in ("inference", "train")
+        for weights in (False, True)
+    }
+    assert all(case.name.endswith(" padding") for case in quick)
+    chosen = build_matrix(device="cpu", dtypes=["fp32"], shapes=[(2, 16, 64, 4)], masks=["none", "padding"])
+    assert {case.masks for case in chosen if case.attention == "self"} == {"none", "padding"}
+    assert {case.masks for case in chosen if case.attention == "cross"} == {"none"}

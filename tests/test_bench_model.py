@@ -75,3 +75,22 @@ def test_bad_input_gets_one_line_and_exit_2(arguments, message, capsys):
     assert bench.main(["model", *arguments, *QUICK]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_compile_times_both_compiled_and_counts_their_graph_breaks(tmp_path, capsys):
+    """``--compile BACKEND``: both models timed under torch.compile, each counted for graph breaks in
+    eval and train first. The eager backend keeps this test quick; the default is inductor."""
+    path = tmp_path / "compiled.json"
+    code = bench.main(
+        ["model", "_bench_models:SetPooling", "--input-fn", "_bench_models:set_batch", "--compile", "eager", *QUICK]
+        + ["--json", str(path)]
+    )
+    assert code == 0, capsys.readouterr()
+    result = json.loads(path.read_text())
+    assert result["compile_backend"] == "eager" and result["agrees"]
+    for mode in ("inference", "train"):
+        breaks = result["graph_breaks"][mode]
+        assert set(breaks) == {"stock", "slim"}
+        assert breaks["slim"]["count"] <= breaks["stock"]["count"], breaks  # slim adds no graph break
+    out = capsys.readouterr().out
+    assert "both timed under torch.compile(backend='eager'); graph breaks:" in out

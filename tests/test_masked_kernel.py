@@ -17,6 +17,8 @@ import torch
 import slim_mha
 from slim_mha import paths
 from slim_mha._stock_checks import AttentionCall
+from slim_mha._torch_compat import stock_kernel
+from slim_mha.bias import without_key_bias_eager
 
 from _reference import STOCK_MHA, assert_matches_stock, randomize_parameters
 
@@ -131,3 +133,31 @@ def test_one_answer_across_the_masked_kernels_threshold(length, need_weights):
     expected_path = "stock kernel" if 2 * H * length * length * 4 <= limit else "general"
     with torch.no_grad():
         assert path_of(slim, x, given, need_weights) == expected_path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_a_bool_padding_mask_goes_in_as_it_is_with_the_additive_masks_bits(dtype, need_weights, average):
+    """The CPU kernel reads its mask as a bool one, so the padding mask reaches it without stock's
+    additive form: slim's answer is the kernel's on the additive mask stock would pass, bit for bit,
+    over a sweep of sizes (and stock's own, within its rounding, as the tests above hold)."""
+    _, slim = pair(dtype)
+    packed = without_key_bias_eager(slim.in_proj_bias)
+    generator = torch.Generator().manual_seed(7)
+    for batch, length in [(1, 5), (2, 8), (3, 11), (2, 16), (4, 6)]:
+        x = torch.randn(batch, length, E, generator=generator).to(dtype)
+        padding = torch.rand(batch, length, generator=generator) < 0.4
+        padding[:, 0] = False  # every query sees a key: the kernel's path
+        additive = torch.zeros(batch, length, dtype=dtype).masked_fill(padding, float("-inf"))
+        with torch.inference_mode():
+            if path_of(slim, x, {"key_padding_mask": padding}, need_weights) != "stock kernel":
+                continue
+            actual = slim(x, x, x, key_padding_mask=padding, need_weights=need_weights, average_attn_weights=average)
+            expected = stock_kernel(
+                x, H, slim.in_proj_weight, packed, slim.out_proj.weight, slim.out_proj.bias,
+                need_weights, average, additive, 1,
+            )  # fmt: skip
+        assert torch.equal(actual[0], expected[0]), (batch, length)
+        assert (actual[1] is None) == (expected[1] is None)
+        if need_weights:
+            assert torch.equal(actual[1], expected[1]), (batch, length)

@@ -11,6 +11,8 @@ __all__ = [
     "AUTOCAST",
     "Case",
     "DTYPES",
+    "MASKED_SHAPES",
+    "MASKINGS",
     "MODES",
     "SET_SHAPE",
     "TARGET_SHAPES",
@@ -33,6 +35,11 @@ TARGET_SHAPES = ((8, 128, 256, 8), (4, 512, 512, 8))
 # A set or point-cloud transformer's size (a batch of small sets, narrow tokens), where a call takes
 # a tenth of a millisecond and Python around the kernels weighs most.
 SET_SHAPE = (16, 64, 64, 4)
+# Self-attention with a padding mask (sets of two sizes in one batch): the smallest call users run,
+# where stock's kernel with its mask is hard to beat, and the first target shape.
+MASKED_SHAPES = ((2, 16, 64, 4), TARGET_SHAPES[0])
+# What a case passes as masks: "none", or "padding", a key padding mask (contenders.case_masks).
+MASKINGS = ("none", "padding")
 
 # The sweeps behind the speed-up plot. Batch follows the sequence length so that every case holds
 # about the same number of tokens: short sequences are not drowned in overhead, long ones stay
@@ -61,6 +68,7 @@ class Case:
     need_weights: bool
     mode: str  # one of MODES
     dtype: str  # one of DTYPES
+    masks: str = "none"  # one of MASKINGS (self-attention only)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -77,9 +85,10 @@ class Case:
     @property
     def name(self) -> str:
         weights = "w" if self.need_weights else "-"
+        masked = "" if self.masks == "none" else f" {self.masks}"
         return (
             f"{self.mode:<18} {self.attention:<5} {weights} "
-            f"B={self.batch:<3} L={self.seq_len:<4} E={self.embed_dim:<4} H={self.num_heads:<2} {self.dtype}"
+            f"B={self.batch:<3} L={self.seq_len:<4} E={self.embed_dim:<4} H={self.num_heads:<2} {self.dtype}{masked}"
         )
 
     def as_dict(self) -> dict:
@@ -126,6 +135,12 @@ def _quick_cpu_cases(dtype: str) -> list[Case]:
     cases.append(Case(*small, "self", False, "train-equivariance", dtype))
     cases += [Case(batch, length, 256, 8, "self", False, "inference", dtype) for batch, length in ((16, 64), (4, 256))]
     cases += [Case(*SET_SHAPE, "self", False, mode, dtype) for mode in ("inference", "train")]
+    cases += [
+        Case(*shape, "self", need_weights, mode, dtype, "padding")
+        for shape in MASKED_SHAPES
+        for mode in ("inference", "train")
+        for need_weights in (False, True)
+    ]
     return cases
 
 
@@ -154,14 +169,16 @@ def build_matrix(
     modes: list[str] | None = None,
     attentions: list[str] | None = None,
     need_weights: list[bool] | None = None,
+    masks: list[str] | None = None,
 ) -> list[Case]:
     """The cases to run, in order.
 
     With no selection at all the quick matrix for the device is returned (``full`` gives every
-    combination instead). Any explicit selection (shapes, lengths, modes, attentions or weights)
-    builds the full product of the chosen values, the others taking their defaults.
+    combination instead). Any explicit selection (shapes, lengths, modes, attentions, weights or
+    masks) builds the full product of the chosen values, the others taking their defaults; masks
+    apply to self-attention alone.
     """
-    selected = any(option is not None for option in (shapes, seq_lens, modes, attentions, need_weights))
+    selected = any(option is not None for option in (shapes, seq_lens, modes, attentions, need_weights, masks))
     if not full and not selected:
         return _quick_cuda_cases(dtypes) if device == "cuda" else _quick_cpu_cases(dtypes[0])
 
@@ -175,5 +192,10 @@ def build_matrix(
         modes or MODES,
         attentions or ATTENTIONS,
         need_weights if need_weights is not None else (False, True),
+        masks or ("none",),
     )
-    return [Case(*shape, attention, weights, mode, dtype) for dtype, shape, mode, attention, weights in product]
+    return [
+        Case(*shape, attention, weights, mode, dtype, masking)
+        for dtype, shape, mode, attention, weights, masking in product
+        if masking == "none" or attention == "self"
+    ]

@@ -28,7 +28,7 @@ from ..measure.options import (
     timing_settings,
 )
 from ..measure.output import write_json
-from .cases import DTYPES, MODES, build_matrix, parse_shape
+from .cases import DTYPES, MASKINGS, MODES, build_matrix, parse_shape
 from .contenders import equivariance_support
 from .report import (
     evaluate_targets,
@@ -87,6 +87,9 @@ def add_options(parser: AddsArguments) -> None:
     parser.add_argument("--mode", type=_csv(str), metavar="MODE,...", help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--attention", type=_csv(str), metavar="KIND,...", help="comma list of self, cross")
     parser.add_argument("--need-weights", choices=("both", "true", "false"), help="default: both")
+    parser.add_argument(
+        "--masks", type=_csv(str), metavar="MASKS,...", help="comma list of none, padding (self-attention only)"
+    )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 quick, 21 full on CPU)")
     parser.add_argument("--time-budget-s", type=float, help="start no new case after this many seconds")
     parser.add_argument(
@@ -157,6 +160,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for attention in args.attention or ():
         if attention not in ("self", "cross"):
             parser.error(f"--attention: unknown {attention!r}; choose from self, cross")
+    for masking in args.masks or ():
+        if masking not in MASKINGS:
+            parser.error(f"--masks: unknown {masking!r}; choose from {', '.join(MASKINGS)}")
     if args.busy < 0 or args.busy > 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
     if args.busy_max_s <= 0:
@@ -185,6 +191,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: tor
         modes=args.mode,
         attentions=args.attention,
         need_weights=need_weights,
+        masks=args.masks,
     )
     notes = []
     missing_equivariance = equivariance_support()

@@ -183,10 +183,11 @@ def _additive(arguments: dict[str, Tensor], dtype: torch.dtype) -> Tensor | None
 
 
 def build_contenders(
-    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None, masks: str = "none"
+    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None
 ) -> dict[str, Contender]:
     """Stock, slim and floor for ``case``, sharing weights (up to slim's exact key-bias fold), inputs
-    and ``masks`` (one of :data:`MASKS`; self-attention only)."""
+    and the case's masks (one of :data:`MASKS`; self-attention only)."""
+    masks = case.masks
     dtype = DTYPES[case.dtype]
     generator = torch.Generator(device="cpu").manual_seed(seed)
     stock, slim = _modules(case, device, dtype, seed, equivariance_every)

@@ -17,6 +17,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -262,9 +263,20 @@ def _step_and_reset(model: nn.Module, args: tuple, mode: str) -> tuple[Callable[
 
 
 def benchmark_model(
-    target: str, shapes: list[str], input_fn: str | None, dtype: torch.dtype, settings: Settings, device: torch.device
+    target: str,
+    shapes: list[str],
+    input_fn: str | None,
+    dtype: torch.dtype,
+    settings: Settings,
+    device: torch.device,
+    *,
+    compile_backend: str | None = None,
 ) -> dict:
-    """Build, compare and time; raises :class:`ModelInputError` for what the user must fix."""
+    """Build, compare and time; raises :class:`ModelInputError` for what the user must fix.
+
+    ``compile_backend``: time both models under ``torch.compile`` with this backend (``"inductor"``,
+    torch's default), each counted for graph breaks first; the comparison and the census stay eager.
+    """
     from slim_mha import SlimMultiheadAttention
 
     factory = _resolve(target, "MODULE:CALLABLE")
@@ -302,6 +314,10 @@ def benchmark_model(
         ) from None
     agreement = _agreement(stock, slim, args)
     paths = _census(slim, args)
+    compiled = {}
+    if compile_backend is not None:
+        compiled = {"compile_backend": compile_backend, "graph_breaks": _graph_breaks(stock, slim, args)}
+        stock, slim = (cast(nn.Module, torch.compile(model, backend=compile_backend)) for model in (stock, slim))
     timing = _timed(stock, slim, args, settings, device)
     return {
         "model": target,
@@ -313,8 +329,32 @@ def benchmark_model(
         "agrees": agreement["agrees"],
         "errors": agreement["errors"],
         "paths": paths,
+        **compiled,
         **timing,
     }
+
+
+def _graph_breaks(stock: nn.Module, slim: nn.Module, args: tuple) -> dict[str, dict[str, dict]]:
+    """Dynamo's graph breaks in each model's forward, in eval and in train mode: the count, and the
+    distinct reasons (``torch._dynamo.explain``, which traces without compiling)."""
+    import torch._dynamo
+
+    breaks: dict[str, dict[str, dict]] = {}
+    for mode in ("inference", "train"):
+        breaks[mode] = {}
+        for name, model in (("stock", stock), ("slim", slim)):
+            model.train(mode == "train")
+            torch._dynamo.reset()
+            with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
+                explained = torch._dynamo.explain(model)(*args)
+            reasons = sorted(
+                {str(getattr(reason, "reason", reason)).splitlines()[0] for reason in explained.break_reasons}
+            )
+            breaks[mode][name] = {"count": explained.graph_break_count, "reasons": reasons}
+    torch._dynamo.reset()
+    stock.eval()
+    slim.eval()
+    return breaks
 
 
 def format_model(result: dict) -> str:
@@ -350,6 +390,13 @@ def format_model(result: dict) -> str:
             f"saved for backward in a training step: stock {_size(saved['stock'])}, slim {_size(saved['slim'])}"
         )
     lines.append("stock/slim: the median over interleaved repeats of stock's time over slim's; above 1 slim is faster.")
+    if "compile_backend" in result:
+        lines.append(f"both timed under torch.compile(backend={result['compile_backend']!r}); graph breaks:")
+        for mode, contenders in result["graph_breaks"].items():
+            counts = ", ".join(f"{name} {found['count']}" for name, found in contenders.items())
+            lines.append(f"  {mode}: {counts}")
+            for name, found in contenders.items():
+                lines.extend(f"    {name}: {reason}" for reason in found["reasons"][:3])
     return "\n".join(lines)
 
 
@@ -384,6 +431,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     add_device_option(parser)
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 on CPU)", cold=False)
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="time both models under torch.compile (default backend: inductor) and count their graph breaks",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.set_defaults(handler=run, parser=parser)
     return parser
@@ -395,7 +449,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         args.parser.error("--input and --input-fn: give one of them")
     try:
         with allocator_state("warm"):
-            result = benchmark_model(args.target, args.input, args.input_fn, _DTYPES[args.dtype], settings, device)
+            result = benchmark_model(
+                args.target,
+                args.input,
+                args.input_fn,
+                _DTYPES[args.dtype],
+                settings,
+                device,
+                compile_backend=args.compile,
+            )
     except ModelInputError as error:
         print(f"slim-mha-bench model: {error}", file=sys.stderr)
         return 2

@@ -126,8 +126,8 @@ def _in_one_pass(slim: Contender) -> Contender:
 def _run_shape(shape: tuple[int, int, int, int], args: argparse.Namespace, settings) -> dict:
     device = torch.device("cpu")
     load_before = load_average()
-    case = Case(*shape, "self", True, "inference", "fp32")
-    contenders = build_contenders(case, device, seed=settings.seed, masks=args.masks)
+    case = Case(*shape, "self", True, "inference", "fp32", args.masks)
+    contenders = build_contenders(case, device, seed=settings.seed)
     if args.blocks:
         contenders["blocks"] = _in_blocks(contenders["slim"], shape, args.blocks)
     if args.one_pass:
