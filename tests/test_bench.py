@@ -480,3 +480,18 @@ def test_the_quick_matrix_holds_masked_cases_and_masks_select_them():
     chosen = build_matrix(device="cpu", dtypes=["fp32"], shapes=[(2, 16, 64, 4)], masks=["none", "padding"])
     assert {case.masks for case in chosen if case.attention == "self"} == {"none", "padding"}
     assert {case.masks for case in chosen if case.attention == "cross"} == {"none"}
+
+
+def test_run_compile_times_stock_and_slim_compiled_and_counts_graph_breaks(tmp_path):
+    """``bench run --compile BACKEND``: both modules called through torch.compile, graph breaks counted
+    per case; the eager backend keeps this quick (the default is inductor)."""
+    path = tmp_path / "compiled.json"
+    argv = ["run", "--shape", "2x16x64x4", "--mode", "inference,train", "--attention", "self"]
+    argv += ["--need-weights", "false", "--compile", "eager", *_QUICK, "--no-plot", "--json", str(path)]
+    assert bench.main(argv) == 0
+    cases = json.loads(path.read_text())["cases"]
+    assert len(cases) == 2
+    for case in cases:
+        assert case["compile_backend"] == "eager" and set(case["graph_breaks"]) == {"stock", "slim"}
+        assert case["graph_breaks"]["slim"]["count"] <= case["graph_breaks"]["stock"]["count"]
+        assert case["agrees"]

@@ -122,6 +122,13 @@ def add_options(parser: AddsArguments) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
     )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="stock and slim each under torch.compile (default backend: inductor), graph breaks counted",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the cases and exit")
 
 
@@ -213,7 +220,14 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
                 f"time budget of {args.time_budget_s:.0f} s spent: {len(cases) - index + 1} cases not run"
             )
             break
-        result = run_case(case, device, settings, equivariance_every=args.equivariance_every, profile_ops=args.profile)
+        result = run_case(
+            case,
+            device,
+            settings,
+            equivariance_every=args.equivariance_every,
+            profile_ops=args.profile,
+            compile_backend=args.compile,
+        )
         payload["cases"].append(result)
         write_json(json_path, payload)
         ratios = result["ratios"]
@@ -223,6 +237,8 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
             if is_stalled(result)
             else f"stock/slim {ratios['stock_over_slim']:.2f}x (paired {paired_ratio(result):.2f}x)"
         )
+        if "graph_breaks" in result:
+            verdict += "  graph breaks " + ", ".join(f"{n} {b['count']}" for n, b in result["graph_breaks"].items())
         print(
             f"[{index:>3}/{len(cases)}] {' '.join(case.name.split())}  {verdict}"
             + (f"  about {left:.0f} s left" if left else ""),

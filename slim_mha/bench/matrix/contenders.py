@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from ..._torch_compat import stock_kernel
 from ...attention import SlimMultiheadAttention
+from ..measure.compiled import graph_breaks
 from .cases import AUTOCAST, DTYPES, Case
 
 __all__ = [
@@ -63,6 +65,8 @@ class Contender:
     external: list[Tensor] = field(default_factory=list)
     # The floor's computation: the fastest bare one torch offers for the case (see _fastest_floor).
     kind: str = ""
+    # Under --compile: Dynamo's graph breaks in the module's call (measure.compiled.graph_breaks).
+    graph_breaks: dict | None = None
 
 
 @contextlib.contextmanager
@@ -183,10 +187,17 @@ def _additive(arguments: dict[str, Tensor], dtype: torch.dtype) -> Tensor | None
 
 
 def build_contenders(
-    case: Case, device: torch.device, *, seed: int = 0, equivariance_every: int | None = None
+    case: Case,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    equivariance_every: int | None = None,
+    compile_backend: str | None = None,
 ) -> dict[str, Contender]:
     """Stock, slim and floor for ``case``, sharing weights (up to slim's exact key-bias fold), inputs
-    and the case's masks (one of :data:`MASKS`; self-attention only)."""
+    and the case's masks (one of :data:`MASKS`; self-attention only). ``compile_backend``: stock and
+    slim each called through ``torch.compile`` with it, their graph breaks counted first; the floor
+    stays eager."""
     masks = case.masks
     dtype = DTYPES[case.dtype]
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -237,7 +248,15 @@ def build_contenders(
         "slim": [*slim.parameters()],
         "floor": floor_parameters,
     }
-    return {
+    breaks: dict[str, dict] = {}
+    if compile_backend is not None:  # counted on the eager modules, then each called compiled
+        for name in ("stock", "slim"):
+            with torch.inference_mode() if not case.trains else contextlib.nullcontext():
+                breaks[name] = graph_breaks(forward_of(name))
+        # The compiled wrappers stand in for the modules (they forward attribute reads to them).
+        stock = cast(nn.MultiheadAttention, torch.compile(stock, backend=compile_backend))
+        slim = cast(SlimMultiheadAttention, torch.compile(slim, backend=compile_backend))
+    contenders = {
         name: _contender(
             name,
             floors[floor_kind] if name == "floor" else forward_of(name),
@@ -249,6 +268,9 @@ def build_contenders(
         )
         for name in CONTENDERS
     }
+    for name, found in breaks.items():
+        contenders[name].graph_breaks = found
+    return contenders
 
 
 def _contender(

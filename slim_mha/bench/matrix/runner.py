@@ -49,10 +49,14 @@ def run_case(
     *,
     equivariance_every: int | None = None,
     profile_ops: bool = False,
+    compile_backend: str | None = None,
 ) -> dict:
-    """Everything measured for one case, as a JSON-ready dict."""
+    """Everything measured for one case, as a JSON-ready dict. ``compile_backend``: stock and slim
+    each under ``torch.compile`` with it, their graph breaks counted first."""
     load_before, started = load_average(), time.perf_counter()
-    contenders = build_contenders(case, device, seed=settings.seed, equivariance_every=equivariance_every)
+    contenders = build_contenders(
+        case, device, seed=settings.seed, equivariance_every=equivariance_every, compile_backend=compile_backend
+    )
     errors = _relative_errors(case, contenders)
     memory, stock_ops = _measure_memory(case, contenders, device)
     timed = time_interleaved(
@@ -74,6 +78,14 @@ def run_case(
         **timed,
         "memory": memory,
         "profile": profile,
+        **(
+            {
+                "compile_backend": compile_backend,
+                "graph_breaks": {name: c.graph_breaks for name, c in contenders.items() if c.graph_breaks is not None},
+            }
+            if compile_backend
+            else {}
+        ),
         # 1-minute load average before and after: above the core count, other processes shared the
         # CPU and the timings are noisier (interleaving keeps the ratios fair, not the spread small).
         "load_average": [load_before, load_average()],

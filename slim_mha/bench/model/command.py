@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..measure.allocator import allocator_state
+from ..measure.compiled import graph_breaks
 from ..measure.memory import profile_step, saved_tensor_bytes
 from ..measure.options import (
     add_device_option,
@@ -335,23 +336,14 @@ def benchmark_model(
 
 
 def _graph_breaks(stock: nn.Module, slim: nn.Module, args: tuple) -> dict[str, dict[str, dict]]:
-    """Dynamo's graph breaks in each model's forward, in eval and in train mode: the count, and the
-    distinct reasons (``torch._dynamo.explain``, which traces without compiling)."""
-    import torch._dynamo
-
+    """Dynamo's graph breaks in each model's forward, in eval and in train mode."""
     breaks: dict[str, dict[str, dict]] = {}
     for mode in ("inference", "train"):
         breaks[mode] = {}
         for name, model in (("stock", stock), ("slim", slim)):
             model.train(mode == "train")
-            torch._dynamo.reset()
             with torch.inference_mode() if mode == "inference" else contextlib.nullcontext():
-                explained = torch._dynamo.explain(model)(*args)
-            reasons = sorted(
-                {str(getattr(reason, "reason", reason)).splitlines()[0] for reason in explained.break_reasons}
-            )
-            breaks[mode][name] = {"count": explained.graph_break_count, "reasons": reasons}
-    torch._dynamo.reset()
+                breaks[mode][name] = graph_breaks(model, *args)
     stock.eval()
     slim.eval()
     return breaks
