@@ -51,7 +51,6 @@ import signal
 import stat
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
