@@ -15,11 +15,12 @@ import time
 
 import torch
 
-torch.set_num_threads(2)
 import slim_mha.paths as paths
 from slim_mha import SlimMultiheadAttention
-from slim_mha.paths import choose_path
 from slim_mha._stock_checks import AttentionCall
+from slim_mha.paths import choose_path
+
+torch.set_num_threads(2)
 
 ORIG = dict(paths.STOCK_OPS_MAX_SCORE_BYTES)
 SMALL = [  # (B, L, E, H, batch_first, mode)
@@ -62,7 +63,7 @@ for B, L, E, H, bf, mode in configs:
         path = choose_path(m, AttentionCall(x, x, x, None, True, None, True, False)).path
     n = 200 if L <= 32 else 60
     ratios = []
-    for rep in range(11):
+    for _ in range(11):
         order = ["ops", "general"]
         random.shuffle(order)
         t = {}
