@@ -32,8 +32,9 @@ from typing import NoReturn
 
 from safetensors import SafetensorError, safe_open
 
-from ._checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from ._checkpoint import INDEX_NAME, SINGLE_NAME
 from ._inputs import identity, opened_for_library, outside_source, resolved_input
+from ._records import Checkpoint
 from .report import option, shown
 
 COMPANIONS_KEY = "slim_mha.companions"  # metadata: {name: sha256} of the companion files an output holds

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._checkpoint import FLOAT_DTYPES, Checkpoint, TensorRecord
+from ._records import FLOAT_DTYPES, Checkpoint, TensorRecord
 from .report import shown
 
 # Names that only attention modules use: any of them starts a group that must fit.

@@ -24,8 +24,8 @@ from slim_mha.bias import (
     zero_key_bias,
 )
 
-from ._checkpoint import FLOAT_DTYPES
 from ._modules import AttentionGroup
+from ._records import FLOAT_DTYPES
 from .report import option, shown
 
 MODES = ("strip", "fold", "to-stock")

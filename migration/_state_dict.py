@@ -14,9 +14,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ._checkpoint import DTYPE_NAMES, Checkpoint, Shard, TensorRecord
 from ._modules import AttentionGroup, find_attention_modules
 from ._plan import migrated_tensors, plan_module
+from ._records import DTYPE_NAMES, Checkpoint, Shard, TensorRecord
 from ._zero_attn import check_patterns, zero_attn_modules
 from .report import with_article
 

@@ -34,8 +34,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from ._checkpoint import ITEM_SIZES, TensorRecord
 from ._inputs import OpenedFile, opened_for_library
+from ._records import ITEM_SIZES, TensorRecord
 from .report import shown
 
 _CHUNK = 64 * 1024 * 1024  # bytes per kernel copy call: small enough for a smooth bar and a prompt Ctrl-C

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 from slim_mha.bias import FORMAT_VERSION
 
-from ._checkpoint import Checkpoint
 from ._modules import AttentionGroup
+from ._records import Checkpoint
 from .report import option, shown
 
 __all__ = ["check_patterns", "records_zero_attn", "zero_attn_modules"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
 from slim_mha.migration._staging import _record
+from slim_mha.migration._torch_pickles import torch_reads_pickles_safely
 from slim_mha.migration.cli import main
 
 

@@ -166,3 +166,14 @@ def test_the_hot_paths_cross_few_functions():
         seen = entered(call)
         assert len(seen) <= functions and len({file for file, _ in seen}) <= files, seen
     assert ("paths.py", "choose_path") in entered(inference)  # the profile sees slim's frames
+
+
+def test_no_product_file_is_over_600_lines():
+    """The house's limit: a file that grows past it is split by concern (the benchmark aside)."""
+    long = [
+        f"{path.relative_to(ROOT)}: {len(path.read_text().splitlines())}"
+        for folder in PRODUCT
+        for path in folder.rglob("*.py")
+        if BENCH not in path.parents and len(path.read_text().splitlines()) > 600
+    ]
+    assert long == []

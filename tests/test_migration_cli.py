@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 import slim_mha.migration as migration_package
 import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
+import slim_mha.migration._output as output_module
+import slim_mha.migration._torch_pickles as torch_pickles_module
 from slim_mha.migration.cli import build_parser
 from slim_mha.migration.report import format_size
 
@@ -234,7 +236,7 @@ def test_ctrl_c_exits_130(tmp_path, stock_file, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "write_safetensors", interrupted)
+    monkeypatch.setattr(output_module, "write_safetensors", interrupted)
     code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, err) == (130, f"{PROG} fold: interrupted; nothing was written\n")
     assert not (tmp_path / "out.safetensors").exists()
@@ -327,7 +329,7 @@ def _readable_names() -> list[str]:
         checkpoint_module.TORCH_INDEX_NAME,
         checkpoint_module.SINGLE_NAME,
         checkpoint_module.TORCH_SINGLE_NAME,
-        *checkpoint_module._WRAPPERS,
+        *torch_pickles_module._WRAPPERS,
         "weights_only=True",
     ]
 
@@ -542,7 +544,7 @@ def test_a_write_failure_names_the_users_path_not_the_staging_path(tmp_path, sha
     def disk_full(path, *args, **kwargs):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(migrate_module, "write_safetensors", disk_full)
+    monkeypatch.setattr(output_module, "write_safetensors", disk_full)
     code, out, err = run_cli(["fold", sharded, tmp_path / "out"], capsys)
     assert (code, out) == (1, "")
     assert (
@@ -557,7 +559,7 @@ def test_ctrl_c_just_after_the_output_is_in_place_says_it_was_written(tmp_path, 
         if point == "after-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
+    monkeypatch.setattr(output_module, "pause_for_tests", interrupted_at)
     code, out, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors"], capsys)
     assert (code, out) == (130, "")
     assert err == f"{PROG} fold: interrupted after {tmp_path / 'out.safetensors'} was written completely\n"
@@ -571,7 +573,7 @@ def test_ctrl_c_before_the_swap_keeps_the_old_output_and_says_so(tmp_path, stock
         if point == "before-commit":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "pause_for_tests", interrupted_at)
+    monkeypatch.setattr(output_module, "pause_for_tests", interrupted_at)
     code, _, err = run_cli(["fold", stock_file, tmp_path / "out.safetensors", "--force"], capsys)
     assert code == 130
     out_path = tmp_path / "out.safetensors"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import slim_mha.migration._migrate as migrate_module
+import slim_mha.migration._output as output_module
 import slim_mha.migration._writer as migration_writer
 import slim_mha.migration._writer as writer_module
 from slim_mha.migration import (
@@ -449,7 +449,7 @@ def test_input_is_never_modified(tmp_path, stock_file, sharded):
 )
 def test_interrupted_write_leaves_no_partial_output(tmp_path, sharded, monkeypatch, interrupt):
     calls = []
-    real_write = migrate_module.write_safetensors
+    real_write = output_module.write_safetensors
 
     def write_then_fail(path, *args, **kwargs):
         calls.append(path)
@@ -457,7 +457,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, sharded, monkeypat
             raise interrupt
         return real_write(path, *args, **kwargs)
 
-    monkeypatch.setattr(migrate_module, "write_safetensors", write_then_fail)
+    monkeypatch.setattr(output_module, "write_safetensors", write_then_fail)
     before = set(os.listdir(tmp_path))
     with pytest.raises(type(interrupt) if isinstance(interrupt, BaseException) else interrupt):
         fold_checkpoint(sharded, tmp_path / "out")
@@ -472,7 +472,7 @@ def test_interrupted_forced_write_keeps_the_old_output(tmp_path, stock_file, mon
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(migrate_module, "write_safetensors", fail)
+    monkeypatch.setattr(output_module, "write_safetensors", fail)
     with pytest.raises(KeyboardInterrupt):
         fold_checkpoint(stock_file, out, force=True)
     assert out.read_bytes() == previous

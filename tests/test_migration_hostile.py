@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import slim_mha.migration._checkpoint as checkpoint_module
 import slim_mha.migration._migrate as migrate_module
+import slim_mha.migration._output as output_module
+import slim_mha.migration._torch_pickles as torch_pickles_module
 from slim_mha.migration import (
     fold_checkpoint,
     format_report,
@@ -185,7 +186,7 @@ def test_nothing_is_readable_by_others_while_it_is_written(tmp_path, umask, monk
             (staging,) = [tmp_path / name for name in _litter(tmp_path)]
             seen.update(_modes(staging))
 
-    monkeypatch.setattr(migrate_module, "pause_for_tests", look)
+    monkeypatch.setattr(output_module, "pause_for_tests", look)
     fold_checkpoint(model, tmp_path / "out")
     assert seen and all(mode & 0o077 == 0 for mode in seen.values()), seen
 
@@ -355,7 +356,7 @@ def test_a_compressed_torch_zip_is_refused_unopened(tmp_path, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("torch.load must not see a compressed archive")
 
-    monkeypatch.setattr(checkpoint_module.torch, "load", never)
+    monkeypatch.setattr(torch_pickles_module.torch, "load", never)
     assert refusal(ValueError, fold_checkpoint, source, tmp_path / "out.safetensors") == (
         f"{source}: a compressed zip archive ('{first}' is compressed); torch.save never compresses, and a "
         "compressed entry can expand without bound: re-save it with torch.save"
@@ -380,7 +381,7 @@ def test_an_output_larger_than_the_free_space_is_refused_first(tmp_path, monkeyp
 
 def _flip_after_writing(monkeypatch, key: str) -> None:
     """A writer fault: the shard holding ``key`` gets one byte of that tensor flipped once written."""
-    real = migrate_module.write_safetensors
+    real = output_module.write_safetensors
 
     def faulty(path, tensors, *args, **kwargs):
         size = real(path, tensors, *args, **kwargs)
@@ -395,7 +396,7 @@ def _flip_after_writing(monkeypatch, key: str) -> None:
                 file.write(bytes([byte[0] ^ 0x10]))
         return size
 
-    monkeypatch.setattr(migrate_module, "write_safetensors", faulty)
+    monkeypatch.setattr(output_module, "write_safetensors", faulty)
 
 
 # Every tensor of the output: copied (weights, out_proj) and converted (in_proj_bias) alike.
@@ -450,7 +451,7 @@ def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
     pickled = tmp_path / "stock.pt"
     torch.save(prefixed(stock_attention(), "attn."), pickled)
     save_file(prefixed(stock_attention(), "attn."), tmp_path / "stock.safetensors")
-    monkeypatch.setattr(checkpoint_module.torch, "__version__", "2.9.1+cpu")
+    monkeypatch.setattr(torch_pickles_module.torch, "__version__", "2.9.1+cpu")
     assert refusal(ValueError, fold_checkpoint, pickled, tmp_path / "out.safetensors") == (
         f"{pickled}: refused: reading a pickle (.pt, .bin...) needs a torch release >= 2.10.0, whose weights-only "
         "unpickler a crafted file cannot use to run code, and this is torch 2.9.1+cpu; upgrade torch, or save "
@@ -477,7 +478,7 @@ def test_old_torch_refuses_pickles_but_reads_safetensors(tmp_path, monkeypatch):
 )
 def test_pickles_need_a_torch_release_of_at_least_2_10(version, safe):
     """Pre-releases and dev builds of a fixed version may predate the fix: only a release counts."""
-    assert checkpoint_module.torch_reads_pickles_safely(version) is safe
+    assert torch_pickles_module.torch_reads_pickles_safely(version) is safe
 
 
 # ------------------------------------------------------------------------ messages

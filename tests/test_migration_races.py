@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import slim_mha.migration._checkpoint as checkpoint_module
+import slim_mha.migration._torch_pickles as torch_pickles_module
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint, strip_checkpoint
-from slim_mha.migration._checkpoint import TensorRecord
+from slim_mha.migration._records import TensorRecord
 
 from _migration_checkpoints import prefixed, save_sharded, stock_attention, tree_digest
 from _migration_helpers import (  # noqa: F401
@@ -275,7 +275,7 @@ def test_a_bin_shard_linked_outside_is_refused_before_it_is_unpickled(tmp_path, 
     state = prefixed(stock_attention(), "attn.")
     torch.save(state, tmp_path / "outside.bin")
     os.symlink(tmp_path / "outside.bin", model / "pytorch_model.bin")
-    monkeypatch.setattr(checkpoint_module.torch, "load", lambda *args, **kwargs: pytest.fail("unpickled"))
+    monkeypatch.setattr(torch_pickles_module.torch, "load", lambda *args, **kwargs: pytest.fail("unpickled"))
     expected = (
         f"{model / 'pytorch_model.bin'}: a symbolic link that leads outside SRC, to {tmp_path / 'outside.bin'}; its "
         "data would be copied into DST: copy the file into SRC, or pass follow_outside_links=True if you trust "

@@ -28,7 +28,7 @@ from slim_mha.migration import (
     strip_checkpoint,
     to_stock_checkpoint,
 )
-from slim_mha.migration._checkpoint import TensorRecord
+from slim_mha.migration._records import TensorRecord
 
 from _migration_checkpoints import (
     attention_inputs,

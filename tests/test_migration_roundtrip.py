@@ -13,7 +13,7 @@ from torch import nn
 
 import slim_mha
 from slim_mha.migration import fold_checkpoint, inspect_checkpoint
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
+from slim_mha.migration._torch_pickles import torch_reads_pickles_safely
 
 from _migration_checkpoints import load_sharded, randomize, save_sharded
 from _migration_helpers import private_ledger  # noqa: F401 (autouse)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from slim_mha.migration import fold_checkpoint, to_stock_checkpoint
-from slim_mha.migration._checkpoint import TensorRecord
+from slim_mha.migration._records import TensorRecord
 
 from _migration_checkpoints import (
     key_bias_free,

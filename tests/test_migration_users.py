@@ -19,7 +19,7 @@ from slim_mha.migration import (
     strip_state_dict,
     to_stock_state_dict,
 )
-from slim_mha.migration._checkpoint import torch_reads_pickles_safely
+from slim_mha.migration._torch_pickles import torch_reads_pickles_safely
 
 from _migration_helpers import private_ledger, reads_pickles, refusal, run_cli  # noqa: F401 (private_ledger: autouse)
 
