@@ -38,7 +38,7 @@ from ._torch_compat import (
     stock_kernel,
 )
 from .bias import (
-    key_bias,
+    append_tokens,
     restore_stock_layout,
     without_key_bias,
     without_key_bias_eager,
@@ -234,7 +234,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return out, weights
 
     def _slim_stock_ops(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
-        """Stock's Python path with weights and without masks, given ``[b_q; 0; b_v]``: its products,
+        """Stock's Python path with weights, without masks or with a bool padding mask under which every
+        query sees a key, given ``[b_q; 0; b_v]``: its products,
         softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
         ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
         their dictionaries: at the sizes this path takes, each attribute read is a percent of a call."""
@@ -243,7 +244,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # choose_path takes this path only with the packed projection and its bias: both are tensors
         weight, bias = cast(Tensor, p["in_proj_weight"]), without_key_bias_eager(cast(Tensor, p["in_proj_bias"]))
         q, k, v = stock_projected_heads(query, key, value, weight, bias, heads)  # (B·H, len, D)
-        weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
+        if call.key_padding_mask is None:
+            weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
+        else:  # stock's additive form of the bool padding mask, a row per batch and head, added by the product
+            source = k.shape[1]
+            padding = cast(Tensor, additive_mask(call.key_padding_mask, "key_padding_mask", call.query.dtype))
+            padding = padding.view(batch, 1, 1, source).expand(-1, heads, -1, -1).reshape(batch * heads, 1, source)
+            weights = torch.baddbmm(padding, q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)
         if self.training and self.dropout > 0.0:
             weights = F.dropout(weights, p=self.dropout)
         out = torch.bmm(weights, v)
@@ -306,7 +313,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             heads = stock_head_split(prepared.query, self.in_proj_weight, self._slim_packed_bias(symbolic=False), H)
         q, k, v = heads if heads is not None else self._slim_project(prepared, one_pass, symbolic)  # (B, H, len, D)
         del heads  # q, k and v alone hold the projections: they go before the output projection
-        k, v = self._slim_append_tokens(k, v)  # (B, H, S + appended, D)
+        k, v = append_tokens(self, k, v)  # (B, H, S + appended, D)
         mask = attention_mask(self, prepared)  # the masks' shapes, checked after the projections as stock's
 
         if need_weights:
@@ -421,30 +428,6 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         (k,) = split_heads(project(key, w_k, None), 1, H, batch_first, contiguous=one_pass)  # no key bias
         (v,) = split_heads(project(value, w_v, b_v), 1, H, batch_first, contiguous=one_pass)
         return q, k, v
-
-    def _slim_append_tokens(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them.
-
-        Stock's projected keys carry ``b_k`` and its appended keys do not; ours carry none, so each
-        appended key is shifted by ``-b_k`` (the same shift of a whole score row, exact).
-        """
-        if self.bias_k is None and self.bias_v is None and not self.add_zero_attn:
-            return k, v
-        B, H, _, D = k.shape
-        b_k = key_bias(self.in_proj_bias, self.embed_dim)  # (E,) or None
-        if self.bias_k is not None and self.bias_v is not None:
-            bias_k = self.bias_k if b_k is None else self.bias_k - b_k
-            k = torch.cat([k, bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)
-            v = torch.cat([v, self.bias_v.view(1, H, 1, D).expand(B, H, 1, D).to(v.dtype)], dim=2)
-        elif self.bias_k is not None or self.bias_v is not None:
-            raise AssertionError("bias_k and bias_v must be both set or both None")
-        if self.add_zero_attn:
-            zero_key = (
-                k.new_zeros(B, H, 1, D) if b_k is None else (-b_k).view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)
-            )
-            k = torch.cat([k, zero_key], dim=2)
-            v = torch.cat([v, v.new_zeros(B, H, 1, D)], dim=2)
-        return k, v
 
     def extra_repr(self) -> str:
         extras = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}", f"batch_first={self.batch_first}"]

@@ -30,9 +30,10 @@ import functools
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
+    "append_tokens",
     "BIAS_NAMES",
     "FORMAT_VERSION",
     "STOCK_BIAS_NAME",
@@ -254,3 +255,27 @@ def fold_value_bias_into_output(
     new_out_bias = (base + shift).to(out_proj_weight.dtype)
     new_bias_v = None if bias_v is None else bias_v - v_proj_bias.view_as(bias_v)
     return new_out_bias, new_bias_v
+
+
+def append_tokens(module: nn.MultiheadAttention, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``module``'s ``add_bias_kv`` then ``add_zero_attn`` tokens, after projection, as stock appends them
+    to ``k`` and ``v`` ``(B, H, S, D)``.
+
+    Stock's projected keys carry ``b_k`` and its appended keys do not; ours carry none, so each
+    appended key is shifted by ``-b_k`` (the same shift of a whole score row, exact).
+    """
+    if module.bias_k is None and module.bias_v is None and not module.add_zero_attn:
+        return k, v
+    B, H, _, D = k.shape
+    b_k = key_bias(module.in_proj_bias, module.embed_dim)  # (E,) or None
+    if module.bias_k is not None and module.bias_v is not None:
+        bias_k = module.bias_k if b_k is None else module.bias_k - b_k
+        k = torch.cat([k, bias_k.view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)], dim=2)
+        v = torch.cat([v, module.bias_v.view(1, H, 1, D).expand(B, H, 1, D).to(v.dtype)], dim=2)
+    elif module.bias_k is not None or module.bias_v is not None:
+        raise AssertionError("bias_k and bias_v must be both set or both None")
+    if module.add_zero_attn:
+        zero_key = k.new_zeros(B, H, 1, D) if b_k is None else (-b_k).view(1, H, 1, D).expand(B, H, 1, D).to(k.dtype)
+        k = torch.cat([k, zero_key], dim=2)
+        v = torch.cat([v, v.new_zeros(B, H, 1, D)], dim=2)
+    return k, v

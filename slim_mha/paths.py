@@ -14,7 +14,8 @@ Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its he
   CPU's autocast (where stock runs its kernel too). With bool masks, given stock's merged mask, up
   to :data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`, and never where a query sees no key;
 * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
-  weights and without masks whose scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
+  weights, without masks or with a bool padding mask under which every query sees a key, whose
+  scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
   batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
 * ``"sdpa"``: the same self-attention without weights, in slim's fewest ops: one projection,
   ``scaled_dot_product_attention``, the output projection;
@@ -106,7 +107,7 @@ STOCK_KERNEL_MASKED_MAX_SCORE_BYTES = {
     ("cpu", torch.bfloat16, True): 16 << 10,
 }
 
-# Calls with weights and without masks that stock's kernel does not take run stock's Python path op
+# Calls with weights, without masks or with a bool padding mask, that stock's kernel does not take run stock's Python path op
 # for op, given ``[b_q; 0; b_v]``, where their scores fit in this many bytes: there its few ops take
 # less time than slim's own path spends in Python. Above it slim's own path wins. Measured on the CPU
 # in fp32 and bf16; CUDA has not been measured and keeps slim's path (benchmarks/RESULTS.md, "Paths").
@@ -161,9 +162,9 @@ def choose_path(
     if plan.path != "general":
         return plan._replace(symbolic=symbolic)
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
-    if need_weights and largest is not None and key_padding_mask is None and attn_mask is None and not is_causal:
+    if need_weights and largest is not None and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
-        if score_bytes is not None and score_bytes <= largest:
+        if score_bytes is not None and score_bytes <= largest and _stock_ops_take(module, query, key, key_padding_mask):
             one_pass = (
                 state["batch_first"]
                 and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
@@ -224,6 +225,19 @@ def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCa
     if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
         return CallPlan("general", "a query masked from every key, which stock's kernel turns to NaN", batch_major=True)
     return CallPlan("stock kernel", batch_major=True)
+
+
+def _stock_ops_take(module: nn.MultiheadAttention, query: Tensor, key: Tensor, key_padding_mask) -> bool:
+    """Whether stock's ops take this call's padding mask as they are written: none, or a bool
+    ``(B, S)`` one under which every query sees a key (stock's ops turn a row that sees none to NaN).
+    Other masks, and masks of another shape (stock's error), go to slim's own path."""
+    if key_padding_mask is None:
+        return True
+    batch_axis = 0 if module.__dict__["batch_first"] else 1
+    batch, source = query.shape[batch_axis], key.shape[1 - batch_axis]
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, source):
+        return False
+    return not a_row_sees_no_key(batch, source, None, key_padding_mask)
 
 
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:

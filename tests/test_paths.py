@@ -123,9 +123,17 @@ TABLE = [
         "general",
     ),
     (
-        "small, with weights, a padding mask",
+        "small, with weights, a bool padding mask: stock's ops add it as stock does",
         {},
         call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool)),
+        False,
+        False,
+        "stock ops",
+    ),
+    (
+        "small, with weights, a float padding mask",
+        {},
+        call(SMALL, OTHER, key_padding_mask=torch.zeros(2, 9)),
         False,
         False,
         "general",

@@ -83,7 +83,7 @@ def _modules(case: dict, dtype: torch.dtype):
     return stock.train(training), slim.train(training)
 
 
-def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: bool):
+def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: bool, key_padding_mask=None):
     """Stock's function itself, given the packed bias with its key slot zeroed (built here by ``cat``,
     not by slim's code), in stock's layout: its own transposes, keeping the inputs' identities."""
     width = slim.embed_dim
@@ -107,6 +107,7 @@ def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: b
         slim.out_proj.weight,
         slim.out_proj.bias,
         training=slim.training,
+        key_padding_mask=key_padding_mask,
         need_weights=True,
         average_attn_weights=average,
     )
@@ -178,3 +179,71 @@ def test_draws_stocks_dropout_mask(batch_first):
     torch.manual_seed(3)
     _, actual = slim(x, x, x, average_attn_weights=False)
     assert (expected == 0).any() and torch.equal(actual == 0, expected == 0)
+
+
+def _padding(case: dict, generator: torch.Generator) -> torch.Tensor:
+    """A bool padding mask ``(B, S)`` under which every query sees a key (key 0 stays open)."""
+    padding = (
+        torch.rand(
+            case["batch"],
+            case["source"] if case["inputs"] in ("encoder-decoder", "three") else case["length"],
+            generator=generator,
+        )
+        < 0.4
+    )
+    padding[:, 0] = False
+    return padding
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['id']}-{c['inputs']}-{c['mode']}-{c['dtype']}" for c in CASES])
+def test_with_a_padding_mask_equals_stocks_function_given_the_same_bias(case):
+    """A bool padding mask goes into the product as stock adds it: outputs, weights, strides, random
+    draws and gradients are ``F.multi_head_attention_forward``'s with the same mask, bit for bit."""
+    dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
+    _, slim = _modules(case, dtype)
+    generator = torch.Generator().manual_seed(case["id"])
+    query, key, value = _tokens(case, generator, dtype)
+    padding = _padding(case, generator)
+    if case["mode"] != "inference":
+        query.requires_grad_(True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case["dtype"] == "autocast")
+    with autocast:
+        call = AttentionCall(query, key, value, padding, True, None, case["average"], False)
+        path, why = choose_path(slim, call)[:2]
+        assert path == "stock ops", why
+        torch.manual_seed(case["id"])
+        out, weights = slim(query, key, value, key_padding_mask=padding, average_attn_weights=case["average"])
+        torch.manual_seed(case["id"])
+        expected_out, expected_weights = _stocks_function(slim, query, key, value, case["average"], padding)
+    for actual, expected, what in ((out, expected_out, "output"), (weights, expected_weights, "weights")):
+        assert actual.stride() == expected.stride(), what
+        assert torch.equal(actual, expected), what
+    if case["mode"] == "inference":
+        return
+    gradients = torch.autograd.grad(out.float().sum() + weights.float().sum(), (query, *slim.parameters()))
+    expected_gradients = torch.autograd.grad(
+        expected_out.float().sum() + expected_weights.float().sum(), (query, *slim.parameters())
+    )
+    for actual, expected in zip(gradients, expected_gradients):
+        assert torch.equal(actual, expected)
+
+
+def test_a_query_that_sees_no_key_or_another_mask_leaves_stocks_ops():
+    """Stock's ops turn a row masked from every key to NaN: such calls take slim's own path (zeros),
+    and so do float padding masks, attention masks and masks of another shape."""
+    case = {"id": 3, "width": 16, "heads": 4, "batch_first": True, "mode": "training"}
+    _, slim = _modules(case, torch.float32)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1] = True  # the second sequence sees no key
+    assert choose_path(slim, AttentionCall(x, x, x, padding, True, None, True, False)).path == "general"
+    out, weights = slim(x, x, x, key_padding_mask=padding)
+    assert torch.isfinite(out).all() and not weights[1].any()
+    open_padding = torch.zeros(2, 6, dtype=torch.bool)
+    for mask, attn_mask in (
+        (open_padding.float(), None),
+        (None, torch.zeros(6, 6, dtype=torch.bool)),
+        (torch.zeros(2, 5, dtype=torch.bool), None),
+    ):
+        assert choose_path(slim, AttentionCall(x, x, x, mask, True, attn_mask, True, False)).path == "general"
+    assert choose_path(slim, AttentionCall(x, x, x, open_padding, True, None, True, False)).path == "stock ops"
