@@ -114,6 +114,17 @@ def _stocks_function(slim: SlimMultiheadAttention, query, key, value, average: b
     return (out.transpose(0, 1) if slim.batch_first else out), weights
 
 
+def _same_gradients(slim: SlimMultiheadAttention, query, actual: tuple, expected: tuple) -> tuple:
+    """The gradients of the query and every parameter, from both results' outputs and weights, equal
+    bit for bit; returns slim's."""
+    inputs = (query, *slim.parameters())
+    gradients = torch.autograd.grad(actual[0].float().sum() + actual[1].float().sum(), inputs)
+    expected_gradients = torch.autograd.grad(expected[0].float().sum() + expected[1].float().sum(), inputs)
+    for mine, theirs in zip(gradients, expected_gradients):
+        assert torch.equal(mine, theirs)
+    return gradients
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['id']}-{c['inputs']}-{c['mode']}-{c['dtype']}" for c in CASES])
 def test_equals_stocks_function_given_the_same_bias(case):
     dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
@@ -139,12 +150,7 @@ def test_equals_stocks_function_given_the_same_bias(case):
         assert torch.equal(x.detach(), original)  # the inputs are never modified
     if not training:
         return
-    gradients = torch.autograd.grad(out.float().sum() + weights.float().sum(), (query, *slim.parameters()))
-    expected_gradients = torch.autograd.grad(
-        expected_out.float().sum() + expected_weights.float().sum(), (query, *slim.parameters())
-    )
-    for actual, expected in zip(gradients, expected_gradients):
-        assert torch.equal(actual, expected)
+    gradients = _same_gradients(slim, query, (out, weights), (expected_out, expected_weights))
     width = slim.embed_dim
     assert not gradients[1 + [name for name, _ in slim.named_parameters()].index("in_proj_bias")][
         width : 2 * width
@@ -218,14 +224,8 @@ def test_with_a_padding_mask_equals_stocks_function_given_the_same_bias(case):
     for actual, expected, what in ((out, expected_out, "output"), (weights, expected_weights, "weights")):
         assert actual.stride() == expected.stride(), what
         assert torch.equal(actual, expected), what
-    if case["mode"] == "inference":
-        return
-    gradients = torch.autograd.grad(out.float().sum() + weights.float().sum(), (query, *slim.parameters()))
-    expected_gradients = torch.autograd.grad(
-        expected_out.float().sum() + expected_weights.float().sum(), (query, *slim.parameters())
-    )
-    for actual, expected in zip(gradients, expected_gradients):
-        assert torch.equal(actual, expected)
+    if case["mode"] != "inference":
+        _same_gradients(slim, query, (out, weights), (expected_out, expected_weights))
 
 
 def test_a_query_that_sees_no_key_or_another_mask_leaves_stocks_ops():
