@@ -202,8 +202,10 @@ def moved_indices(inputs: tuple, plan: InputPlan) -> tuple[int, ...]:
     for index, (x, dims) in enumerate(zip(inputs, plan.dims)):
         if not dims or index in plan.relabelled or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             continue
-        if x.numel() and x.ndim > len(dims) and 0 <= int(x.min()) and int(x.max()) < plan.length:
-            found.append(index)
+        if x.numel() and x.ndim > len(dims):
+            low, high = _value_range(x)
+            if 0 <= low and high < plan.length:
+                found.append(index)
     return tuple(found)
 
 
@@ -225,7 +227,7 @@ def _check_indices(inputs: tuple, plan: InputPlan) -> None:
         x = inputs[index]
         if x.numel() == 0:
             continue
-        low, high = (int(v) for v in torch.stack([x.min(), x.max()]).tolist())
+        low, high = _value_range(x)
         if low < 0 or high >= plan.length:
             raise ValueError(
                 f"input {index} {_shape_of(x)} {str(x.dtype).removeprefix('torch.')} is read as token indices "
@@ -233,6 +235,12 @@ def _check_indices(inputs: tuple, plan: InputPlan) -> None:
                 f"relabels its values, but they run from {low} to {high}, outside 0..{plan.length - 1}: pass dim "
                 "with one entry per input, None for an input to leave unchanged"
             )
+
+
+def _value_range(x: Tensor) -> tuple[int, int]:
+    """The least and the largest value of a non-empty integer tensor, in one host read."""
+    low, high = torch.stack([x.min(), x.max()]).tolist()
+    return int(low), int(high)
 
 
 def _shape_of(x) -> str:
