@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ._context import type_name
-from ._measure import TensorError, can_permute, less_precise, measure_error, permute, rounding_of, unpermutable
+from ._measure import TensorError, less_precise, measure_reading, rounding_of
 
 __all__ = ["CallSite", "SubmoduleCheck", "Culprit", "recording", "compare_calls", "find_culprit", "flatten", "readings"]
 
@@ -387,9 +387,7 @@ def _measure_readings(before: list, after: list, length: int, permutation: Tenso
 
     def error(name: str, actual: Tensor, expected: Tensor, again: Tensor | None, reading: tuple[int, ...]):
         dtype = less_precise(actual.dtype, expected.dtype)
-        if not can_permute(expected, reading, permutation):
-            return unpermutable(name, actual, reading, permutation, dtype)
-        measured = measure_error(name, actual, permute(expected, reading, permutation), reading)
+        measured = measure_reading(name, actual, expected, reading, permutation, dtype)
         return replace(measured, rounding=None if again is None else rounding_of(dtype, expected, again))
 
     return tuple(

@@ -30,8 +30,7 @@ __all__ = [
     "draw_permutation",
     "draw_permutations",
     "batch_axis",
-    "can_permute",
-    "unpermutable",
+    "measure_reading",
     "permute",
     "format_indices",
 ]
@@ -382,7 +381,17 @@ def can_permute(tensor: Tensor, dims: tuple[int, ...], permutation: Tensor) -> b
     return permutation.ndim == 1 or not dims or batch_axis(tuple(tensor.shape), dims, permutation.shape[0]) is not None
 
 
-def unpermutable(
+def measure_reading(
+    name: str, actual: Tensor, expected: Tensor, reading: tuple[int, ...], permutation: Tensor, dtype: torch.dtype
+) -> TensorError:
+    """``actual`` against ``expected`` moved by ``permutation`` along ``reading`` (:func:`measure_error`);
+    a tensor that a permutation per sample cannot move (no batch axis besides its tokens) never passes."""
+    if not can_permute(expected, reading, permutation):
+        return _unpermutable(name, actual, reading, permutation, dtype)
+    return measure_error(name, actual, permute(expected, reading, permutation), reading, dtype)
+
+
+def _unpermutable(
     name: str, actual: Tensor, dims: tuple[int, ...], permutation: Tensor, dtype: torch.dtype
 ) -> TensorError:
     """The error of a tensor that carries tokens but no batch axis, checked with a permutation per
