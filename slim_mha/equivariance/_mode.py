@@ -401,10 +401,9 @@ class _AttentionCheck:
         query, key, value = self.query, self.key, self.value
         key_padding_mask, attn_mask = self.key_padding_mask, self.attn_mask
         if upcast:
-            query, key, value, key_padding_mask, attn_mask = (
-                _rerun.upcast(t) for t in (query, key, value, key_padding_mask, attn_mask)
+            query, key, value, key_padding_mask, attn_mask = _rerun.upcast(
+                (query, key, value, key_padding_mask, attn_mask)
             )
-            value = key if self.value is self.key else value
         if permute_queries:
             query = permute(query, (self.axis,), self.query_permutation)
             if attn_mask is not None:

@@ -12,7 +12,7 @@ random state rewound), so it changes the step no more than the two runs of the c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -32,10 +32,14 @@ def wanted(outputs: list) -> bool:
     )
 
 
-def upcast(value):
-    if isinstance(value, Tensor) and low_precision(value.dtype):
-        return value.float()
-    return value
+def upcast(values: Sequence) -> list:
+    """``values`` with each low-precision tensor in float32; a tensor passed twice is upcast once, so
+    that ``query is key`` holds in the rerun as in the call (it selects attention's fused projection)."""
+    copies: dict[int, Tensor] = {}
+    for value in values:
+        if isinstance(value, Tensor) and low_precision(value.dtype) and id(value) not in copies:
+            copies[id(value)] = value.float()
+    return [copies.get(id(value), value) for value in values]
 
 
 @contextmanager
@@ -71,6 +75,7 @@ def float32_rerun(fn: Callable, inputs: tuple, kwargs: dict, module: nn.Module |
     then the dtypes clash). The caller rewinds the state before and after."""
     try:
         with in_float32(module):
-            return fn(*(upcast(x) for x in inputs), **{key: upcast(x) for key, x in kwargs.items()})
+            upcast_values = upcast([*inputs, *kwargs.values()])
+            return fn(*upcast_values[: len(inputs)], **dict(zip(kwargs, upcast_values[len(inputs) :])))
     except Exception:  # any failure means "no rerun", and the table's tolerance applies
         return None
