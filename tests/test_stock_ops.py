@@ -228,6 +228,25 @@ def test_with_a_padding_mask_equals_stocks_function_given_the_same_bias(case):
         _same_gradients(slim, query, (out, weights), (expected_out, expected_weights))
 
 
+@pytest.mark.parametrize("case", CASES[:16], ids=[f"{c['id']}-{c['inputs']}-{c['mode']}" for c in CASES[:16]])
+def test_with_a_padding_mask_as_exact_as_stock_against_a_float64_run(case):
+    """Against stock's module itself (which adds ``q·b_k``), with the same bool padding mask: within
+    stock's own error against a float64 run."""
+    stock, slim = _modules({**case, "mode": "inference"}, torch.float32)
+    generator = torch.Generator().manual_seed(case["id"])
+    query, key, value = _tokens(case, generator, torch.float32)
+    padding = _padding(case, generator)
+    call = AttentionCall(query, key, value, padding, True, None, case["average"], False)
+    assert choose_path(slim, call).path == "stock ops"  # grad enabled, as in training
+    options = dict(key_padding_mask=padding, average_attn_weights=case["average"])
+    actual = slim(query, key, value, **options)
+    expected = stock(query, key, value, **options)
+    reference = float64_reference(stock, query, key, value, **options)
+    for a, e, r, what in zip(actual, expected, reference, ("output", "weights")):
+        assert a.stride() == e.stride(), what
+        assert_matches_stock(a, e, r, what)
+
+
 def test_a_query_that_sees_no_key_or_another_mask_leaves_stocks_ops():
     """Stock's ops turn a row masked from every key to NaN: such calls take slim's own path (zeros),
     and so do float padding masks, attention masks and masks of another shape."""
