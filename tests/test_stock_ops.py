@@ -266,3 +266,34 @@ def test_a_query_that_sees_no_key_or_another_mask_leaves_stocks_ops():
     ):
         assert choose_path(slim, AttentionCall(x, x, x, mask, True, attn_mask, True, False)).path == "general"
     assert choose_path(slim, AttentionCall(x, x, x, open_padding, True, None, True, False)).path == "stock ops"
+
+
+@pytest.mark.parametrize("batch", [3, 4, 5])  # scores of 192, 256 and 320 KiB: the limit is 256 KiB (fp32)
+@pytest.mark.parametrize("mask", ["bool", "float", "bool with a row that sees no key"])
+def test_one_answer_on_both_sides_of_stock_ops_limit_with_a_padding_mask(batch, mask):
+    """Below the limit stock's ops run (bool masks under which every query sees a key), above it
+    slim's own path: both give stock's function with its fast path off, within stock's rounding, and
+    a query masked from every key gets zero weights and no value (stock gives NaN there) on either side."""
+    case = {"id": 11, "width": 16, "heads": 4, "batch_first": True, "mode": "training"}
+    stock, slim = _modules(case, torch.float32)
+    x = torch.randn(batch, 64, 16, generator=torch.Generator().manual_seed(batch), requires_grad=True)
+    padding = torch.zeros(batch, 64, dtype=torch.bool)
+    padding[::2, 48:] = True
+    if mask == "bool with a row that sees no key":
+        padding[1] = True
+    given = padding if mask != "float" else torch.zeros(batch, 64).masked_fill(padding, float("-inf"))
+    path = choose_path(slim, AttentionCall(x, x, x, given, True, None, True, False)).path
+    assert path == ("stock ops" if batch <= 4 and mask == "bool" else "general")
+    out, weights = slim(x, x, x, key_padding_mask=given)
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected = stock(x, x, x, key_padding_mask=given)
+        reference = float64_reference(stock, x, x, x, key_padding_mask=given)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+    seen = ~padding.all(dim=-1)  # the sequences whose queries see some key
+    for a, e, r, what in zip((out, weights), expected, reference, ("output", "weights")):
+        assert_matches_stock(a[seen], e[seen], r[seen], what)
+    # Where stock gives NaN: no key's value reaches the row, so it holds out_proj's bias, and zero weights.
+    assert torch.equal(out[~seen], slim.out_proj.bias.detach().expand_as(out[~seen])) and not weights[~seen].any()
