@@ -47,7 +47,7 @@ else
 fi
 
 echo "== correctness (${correctness_args[*]})"
-timeout "$correctness_limit" "$PYTHON" -m slim_mha.bench.matrix.correctness "${correctness_args[@]}" \
+timeout "$correctness_limit" "$PYTHON" tests/device_matrix.py "${correctness_args[@]}" \
     --json "$OUT/correctness.json" >"$OUT/correctness.txt" 2>&1 || status=1
 head -n 40 "$OUT/correctness.txt"
 

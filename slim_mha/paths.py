@@ -291,7 +291,7 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weigh
 
 @contextmanager
 def forcing_blocks(block_bytes: int) -> Iterator[None]:
-    """For tests and ``bench weights --blocks``: averaged weights without a graph computed in blocks
+    """For tests and ``bench run --blocks``: averaged weights without a graph computed in blocks
     of query rows holding at most ``block_bytes`` of scores, even where one pass fits, and every call
     on slim's own path, which alone computes blocks. It swaps this module's rule of slim's own path and
     the memory guard's block rule for the block's duration (one thread): no call reads a switch."""

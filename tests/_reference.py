@@ -6,6 +6,8 @@ biases, and a zero key bias would let a wrong fold pass unnoticed.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from copy import deepcopy
 
 import torch
@@ -15,6 +17,17 @@ from slim_mha._matrix import TOLERANCE
 
 # Captured at import, before any test patches torch.nn: always torch's own class.
 STOCK_MHA = nn.MultiheadAttention
+
+
+@contextlib.contextmanager
+def fast_path_enabled(enabled: bool) -> Iterator[None]:
+    """Stock's ``torch.backends.mha`` fast path set to ``enabled`` inside, restored after."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def randomize_parameters(module: nn.Module, seed: int = 0, scale: float = 0.5) -> nn.Module:

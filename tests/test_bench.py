@@ -13,14 +13,12 @@ import pytest
 import torch
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench.detr import command as detr_command
 from slim_mha.bench.matrix import command as run_command
-from slim_mha.bench.matrix import correctness, report
+from slim_mha.bench.matrix import report
 from slim_mha.bench.matrix.cases import TARGET_SHAPES, build_matrix
 from slim_mha.bench.measure import output
 from slim_mha.bench.measure.load import competing_load
 from slim_mha.bench.scale import command as scale_command
-from slim_mha.bench.weights import command as weights_command
 
 # One quick repeat: what the command does, not how fast.
 _QUICK = ["--repeats", "2", "--warmup", "1", "--min-sample-ms", "0"]
@@ -243,28 +241,6 @@ def test_bad_options_are_parser_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_correctness_check_passes_on_cpu(capsys, tmp_path):
-    path = tmp_path / "correctness.json"
-    assert correctness.main(["--device", "cpu", "--sweep", "4", "--limit", "24", "--json", str(path)]) == 0
-    summary = json.loads(path.read_text())["summary"]
-    assert summary["configurations"] == 24 and summary["failed"] == 0
-    assert "24/24 configurations pass" in capsys.readouterr().out
-
-
-def test_correctness_check_fails_on_a_wrong_module(capsys, monkeypatch):
-    """The checker must be able to fail: slim with its output bias zeroed is not stock."""
-    original = correctness._modules
-
-    def broken(config, device):
-        stock, slim, reference = original(config, device)
-        slim.out_proj.bias.data.zero_()
-        return stock, slim, reference
-
-    monkeypatch.setattr(correctness, "_modules", broken)
-    assert correctness.main(["--device", "cpu", "--sweep", "0", "--limit", "3"]) == 1
-    assert "FAIL" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize(
     "argv, handler",
     [
@@ -272,8 +248,6 @@ def test_correctness_check_fails_on_a_wrong_module(capsys, monkeypatch):
         (["--busy", "2"], run_command.run),
         (["run", "--full"], run_command.run),
         (["scale", "--dry-run"], scale_command.run),
-        (["detr"], detr_command.run),
-        (["weights"], weights_command.run),
     ],
 )
 def test_subcommands_are_wired_and_the_bare_command_runs_the_matrix(argv, handler):
@@ -285,7 +259,7 @@ def test_run_options_before_the_subcommand_are_kept():
     assert (args.busy, args.full, args.repeats) == (2, True, None)
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["scale"], ["detr"], ["weights"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["scale"], ["model"]])
 def test_every_help_fits_120_columns_and_names_no_issue(capsys, command):
     with pytest.raises(SystemExit):
         bench.main([*command, "--help"])
@@ -301,46 +275,31 @@ def test_the_old_flags_are_not_subcommands(capsys):
     assert "unrecognized arguments: --scale" in capsys.readouterr().err
 
 
-def test_weights_command_times_stock_slim_the_floor_and_blocks_and_restores_the_path(capsys, tmp_path):
+def test_run_times_slim_on_its_other_paths_and_restores_them(capsys, tmp_path):
+    """``--one-pass`` and ``--blocks`` time slim where its first choice would not apply, then put back
+    stock's fast path and the block size; every path computes what stock does."""
     from slim_mha import _explicit_attention as explicit
 
-    ROWS_PER_BLOCK = explicit.rows_per_block
-
+    rows_per_block = explicit.rows_per_block
     path = tmp_path / "weights.json"
-    argv = [
-        "weights",
-        "--shape",
-        "2x16x32x4",
-        "--blocks",
-        "2",
-        "--one-pass",
-        *_QUICK,
-        "--json",
-        str(path),
-    ]
-    assert bench.main(argv) == 0
-    assert explicit.rows_per_block is ROWS_PER_BLOCK and torch.backends.mha.get_fastpath_enabled()  # put back
+    argv = ["run", "--shape", "2x16x32x4", "--mode", "inference", "--need-weights", "true", "--attention", "self"]
+    assert bench.main([*argv, "--blocks", "2", "--one-pass", *_QUICK, "--no-plot", "--json", str(path)]) == 0
+    assert explicit.rows_per_block is rows_per_block and torch.backends.mha.get_fastpath_enabled()  # put back
     out = capsys.readouterr().out
-    for label in ("stock/slim", "slim/floor", "stock/blocks", "stock/one_pass", "ratio of medians; paired", "peak MiB"):
-        assert label in out
-    assert "stock/slim (paired) >= 1.00 quiet: " in out and "peak memory slim <= stock: " in out
-    assert [line for line in out.splitlines() if len(line) >= 100] == []
-    result = json.loads(path.read_text())["results"][0]
-    assert set(result["median_ms"]) == set(result["peak_bytes"]) == {"stock", "slim", "floor", "blocks", "one_pass"}
-    assert set(result["paired_ratios"]) == {
-        "stock_over_slim",
-        "slim_over_floor",
-        "stock_over_blocks",
-        "stock_over_one_pass",
-    }
-    assert max(result["relative_error"].values()) < 1e-4  # every path computes what stock does
+    assert "stock/one_pass (paired): " in out and "stock/blocks (paired): " in out
+    result = json.loads(path.read_text())["cases"][0]
+    assert set(result["time"]) == set(result["memory"]) == {"stock", "slim", "floor", "blocks", "one_pass"}
+    assert {"stock_over_slim", "slim_over_floor", "stock_over_blocks", "stock_over_one_pass"} <= set(
+        result["paired_ratios"]
+    )
+    assert max(result["relative_error"].values()) < 1e-4 and result["agrees"]
 
 
-def test_weights_command_refuses_more_blocks_than_rows(capsys):
+def test_run_refuses_more_blocks_than_rows(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["weights", "--shape", "2x16x32x4", "--blocks", "17"])
+        bench.main(["run", "--shape", "2x16x32x4", "--blocks", "17"])
     assert exit_info.value.code == 2
-    assert "--blocks must be between 0 and every shape's sequence length, got 17" in capsys.readouterr().err
+    assert "--blocks must be at most every case's sequence length, got 17" in capsys.readouterr().err
 
 
 def test_memory_axis_ticks_are_plain_mib():
@@ -361,17 +320,7 @@ def test_memory_axis_ticks_are_plain_mib():
 
 
 def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_ratio_of_one():
-    """The weights verdict and the memory target say how far above stock a peak is, in KiB."""
-    shapes = [
-        {
-            "paired_ratios": {"stock_over_slim": {"median": 1.01}, "slim_over_floor": {"median": 0.95}},
-            "peak_bytes": {"stock": 9 << 20, "slim": (9 << 20) + extra},
-        }
-        for extra in (0, 3072)
-    ]
-    verdict = weights_command.format_verdict(shapes, busy=0)
-    assert "peak memory slim <= stock: 1/2 shapes, slim at most 3.0 KiB above stock" in verdict
-    assert "KiB" not in weights_command.format_verdict(shapes[:1], busy=0)
+    """The memory target says how far above stock a peak is, in KiB."""
     case = {"mode": "inference", "dtype": "fp32"}
     results = [
         {
@@ -425,28 +374,17 @@ def test_case_masks_pad_every_other_row_and_refuse_unknown_names():
         case_masks("pad", 3, 8, torch.device("cpu"))
 
 
-def test_weights_command_passes_masks_to_every_contender(capsys, tmp_path):
-    path = tmp_path / "weights.json"
-    argv = [
-        "weights",
-        "--shape",
-        "2x16x32x4",
-        "--masks",
-        "both",
-        "--one-pass",
-        *_QUICK,
-        "--json",
-        str(path),
-    ]
-    assert bench.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "B=2 L=16 E=32 H=4, masks both, busy 0" in out
-    result = json.loads(path.read_text())["results"][0]
-    assert result["masks"] == "both" and max(result["relative_error"].values()) < 1e-4
+def test_run_passes_causal_masks_to_every_contender_and_refuses_unknown_ones(capsys, tmp_path):
+    path = tmp_path / "masked.json"
+    argv = ["run", "--shape", "2x16x32x4", "--mode", "inference", "--attention", "self", "--masks", "both"]
+    assert bench.main([*argv, "--one-pass", *_QUICK, "--no-plot", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())["cases"][0]
+    assert result["case"]["masks"] == "both" and max(result["relative_error"].values()) < 1e-4
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["weights", "--shape", "2x16x32x4", "--masks", "pad"])
+        bench.main(["run", "--shape", "2x16x32x4", "--masks", "pad"])
     assert exit_info.value.code == 2
-    assert "argument --masks: invalid choice: 'pad'" in capsys.readouterr().err
+    assert "--masks: unknown 'pad'; choose from none, padding, causal, both" in capsys.readouterr().err
 
 
 def test_a_verdict_that_leaves_stalled_cases_out_says_how_many_within_120_columns():

@@ -1,61 +1,47 @@
-"""The DETR case of the benchmark (slim_mha/bench/detr/layer.py) at a tiny size: what it prints and records.
+"""DETR's decoder layer through ``bench model`` (``slim_mha/bench/models.py``) at a tiny size.
 
-Its weights-path counts are tested in tests/test_unread_weights.py.
-Never timings: only that they were taken, interleaved, with their paired ratios.
+Its weights-path counts are tested in tests/test_unread_weights.py. Never timings: only that they
+were taken, interleaved, with paired ratios for every pair, and that slim_skip took the skipping path.
 """
 
 from __future__ import annotations
 
-import statistics
-
-import pytest
-import torch
+import json
 
 from slim_mha.bench import __main__ as bench
-from slim_mha.bench.detr.layer import (
-    CONTENDERS,
-    DetrShape,
-    format_detr,
-    format_detr_lines,
-    run_detr,
-)
-from slim_mha.bench.measure.timing import Settings
 
-TINY = DetrShape(queries=4, memory=9, embed_dim=8, heads=2, batch=2, feedforward=8)
-SETTINGS = Settings(repeats=3, min_repeats=3, warmup=0, min_sample_s=0.0, max_case_s=5.0)
+QUICK = ["--repeats", "3", "--warmup", "0", "--min-sample-ms", "0"]
+DETR = ["model", "slim_mha.bench.models:detr_decoder_layer", "--input-fn", "slim_mha.bench.models:detr_inputs"]
 
 
-def test_a_tiny_run_records_paired_ratios_memory_and_prints_no_profiler_chatter(capfd):
-    payload = run_detr(SETTINGS, torch.device("cpu"), modes=("inference", "train"), shape=TINY)
-    table = format_detr(payload)
+def test_a_tiny_detr_run_times_three_contenders_paired_and_names_their_paths(tmp_path, capfd):
+    path = tmp_path / "detr.json"
+    tiny = ["--input", "4x2x256", "--input", "9x2x256", "--skip-unread-weights"]
+    assert bench.main([*DETR, *tiny, *QUICK, "--json", str(path)]) == 0
     printed = capfd.readouterr()
     assert "profiler_start" not in printed.out + printed.err and "USDT" not in printed.out + printed.err
-    for result in payload["modes"]:
-        samples = {name: result["time"][name]["samples_ms"] for name in CONTENDERS}
-        assert all(len(times) == 3 for times in samples.values())  # one sample per repeat, each contender
-        for key, (numerator, denominator) in {
-            "slim_over_slim_skip": ("slim", "slim_skip"),
-            "stock_over_slim_skip": ("stock", "slim_skip"),
-        }.items():
-            ratios = sorted(a / b for a, b in zip(samples[numerator], samples[denominator]))
-            medians = statistics.median(samples[numerator]) / statistics.median(samples[denominator])
-            assert result["ratios"][key] == medians  # agrees with the ms columns
-            paired = result["paired_ratios"][key]
-            assert paired["median"] == ratios[1]  # the median of the per-repeat ratios, named as such
-            assert ratios[0] <= paired["quartiles"][0] <= paired["quartiles"][1] <= ratios[2]
-        for name in CONTENDERS:
-            memory = result["memory"][name]
-            assert memory["peak_bytes"] > 0 and memory["allocated_bytes"] >= memory["peak_bytes"]
-            assert (memory["saved_bytes"] is None) == (result["mode"] == "inference")
-    assert "| inference |" in table and "| train (attn dropout 0.1) |" in table
-    assert "| - / - / - |" in table  # inference saves nothing for backward
-    lines = format_detr_lines(payload)  # what the terminal shows: short lines
-    assert "inference:" in lines and "train (attn dropout 0.1):" in lines
-    assert max(len(line) for line in lines.splitlines()) < 120
+    result = json.loads(path.read_text())
+    assert result["agrees"] and result["inputs"] == [[4, 2, 256], [9, 2, 256], [2, 9], [9, 2, 256], [4, 2, 256]]
+    errors = result["errors"]["eval output"]
+    assert max(errors["slim_error"], errors["slim_skip_error"]) <= errors["bound"]
+    for mode in ("inference", "train"):
+        timed = result[mode]
+        assert set(timed["paired"]) == {"stock_over_slim", "stock_over_slim_skip", "slim_over_slim_skip"}
+        assert set(timed["peak_bytes"]) == {"stock", "slim", "slim_skip"}
+        paired = timed["paired"]["stock_over_slim"]
+        assert timed["stalled"] or paired["quartiles"][0] <= paired["median"] <= paired["quartiles"][1]
+    skipped = {row["why"] for row in result["paths"]["slim_skip"]["eval"]}
+    assert skipped == {"slim's own option skip_unread_weights"}  # the weights DETR never reads are not made
+    assert "skip_unread_weights" not in {row["why"] for row in result["paths"]["slim"]["eval"]}
+    assert max(len(line) for line in printed.out.splitlines()) < 200
 
 
-def test_the_detr_subcommand_refuses_matrix_options(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["detr", "--mode", "train"])
-    assert exit_info.value.code == 2
-    assert "unrecognized arguments: --mode train" in capsys.readouterr().err
+def test_input_fn_takes_the_input_shapes_and_defaults_without_them():
+    from slim_mha.bench.models import detr_inputs, padded_tokens
+
+    tgt, memory, padding, pos, query_pos = detr_inputs()
+    assert (tgt.shape, memory.shape, padding.shape) == ((100, 2, 256), (950, 2, 256), (2, 950))
+    assert padding[-1].sum() == 950 - int(950 * 0.85) and not padding[0].any()
+    tokens, mask, padding = padded_tokens((4, 8, 16))
+    assert tokens.shape == (4, 8, 16) and mask is None
+    assert padding.tolist() == [[False] * 8, [False] * 6 + [True] * 2] * 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import warnings
 
 import pytest
@@ -222,44 +223,23 @@ def test_compile_and_export_match_stock(mask, slim_always):
         torch.testing.assert_close(exported.module()(x, **masks), expected)
 
 
-def test_the_encoder_benchmark_runs_and_records_each_path(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "factory, length, padding, expected",
+    [
+        ("transformer_encoder", 8, False, "stock fused layer"),
+        ("transformer_encoder", 400, False, "slim layer"),
+        ("transformer_encoder", 400, True, "slim layer"),
+        ("transformer_encoder_unnested", 8, True, "unfused layer"),
+    ],
+)
+def test_the_encoder_benchmark_records_which_layer_ran(tmp_path, factory, length, padding, expected):
+    """``bench model`` on the encoder preset: both sides agree, and the census names the layer's path."""
     from slim_mha.bench import __main__ as bench
 
     path = tmp_path / "encoder.json"
-    assert (
-        bench.main(
-            [
-                "encoder",
-                "--length",
-                "8",
-                "--length",
-                "400",
-                "--repeats",
-                "1",
-                "--warmup",
-                "0",
-                "--min-sample-ms",
-                "0",
-                "--json",
-                str(path),
-            ]
-        )
-        == 0
-    )
-    import json
-
-    results = json.loads(path.read_text())["results"]
-    paths = {(r["case"]["length"], r["case"]["padding"], r["case"]["nested"]): r["slim_path"] for r in results}
-    assert paths[(8, False, True)] == "stock's fused layer" and paths[(400, False, True)] == "slim's attention"
-    assert paths[(400, True, True)] == "slim's attention" and paths[(8, True, False)] == "stock's fused layer"
-    assert all(r["max_abs_error"] < 1e-4 and r["stock_over_slim"] > 0 for r in results)
-    assert "| B=4 L=400 E=256 H=8, 2 layers, padding |" in capsys.readouterr().out
-
-
-def test_the_encoder_benchmark_refuses_a_length_too_short(capsys):
-    from slim_mha.bench import __main__ as bench
-
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["encoder", "--length", "2"])
-    assert exit_info.value.code == 2
-    assert "--length: each length must be at least 4" in capsys.readouterr().err.splitlines()[-1]
+    inputs = ["--input-fn", "slim_mha.bench.models:padded_tokens"] if padding else []
+    argv = ["model", f"slim_mha.bench.models:{factory}", *inputs, "--input", f"4x{length}x256", "--mode", "inference"]
+    assert bench.main([*argv, "--repeats", "1", "--warmup", "0", "--min-sample-ms", "0", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    layers = {row["path"] for row in result["paths"]["slim"]["eval"] if row["kind"] == "encoder layer"}
+    assert layers == {expected} and result["agrees"] and "train" not in result

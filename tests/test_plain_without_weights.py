@@ -18,7 +18,6 @@ from torch.nn.utils import parametrize
 
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
-from slim_mha.bench.matrix.contenders import fast_path_enabled
 from slim_mha.bench.measure.memory import profile_step
 from slim_mha.paths import CallPlan
 
@@ -39,7 +38,7 @@ from _plain_calls import (
     refused_call,
     tokens,
 )
-from _reference import assert_close_scaled
+from _reference import assert_close_scaled, fast_path_enabled
 
 WITHOUT = {"need_weights": False}
 # Slim's own short path: not stock's kernel, which takes these small calls by default in fp32 and bf16.

@@ -19,7 +19,6 @@ from torch.nn.utils import parametrize
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as guard
-from slim_mha.bench.matrix.contenders import fast_path_enabled
 
 from _plain_calls import (
     BATCH,
@@ -38,7 +37,7 @@ from _plain_calls import (
     refused_call,
     tokens,
 )
-from _reference import STOCK_MHA, assert_close_scaled, randomize_parameters
+from _reference import STOCK_MHA, assert_close_scaled, fast_path_enabled, randomize_parameters
 
 
 @pytest.fixture

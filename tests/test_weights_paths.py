@@ -4,7 +4,7 @@ Without a graph, averaged weights take one pass wherever it fits in memory and b
 rows where it does not (``_explicit_attention.rows_per_block``). Each path runs here on small inputs,
 through the module, over the attention kinds, appended tokens and masks, and is compared with
 stock ``nn.MultiheadAttention``: the path is forced (``forcing_blocks``) or chosen by the guard
-under a memory limit the test sets. Timing is the benchmark's (``python -m slim_mha.bench weights``).
+under a memory limit the test sets. Timing is the benchmark's (``python -m slim_mha.bench run --need-weights true``).
 """
 
 from __future__ import annotations

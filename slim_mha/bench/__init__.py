@@ -2,14 +2,12 @@
 
 One subpackage per command, each with its ``command`` module, wired by ``__main__``:
 
-* ``matrix``: the quick matrix (``run``, the default): cases, contenders (stock, slim, the floor on
-  shared weights), one case's run, the report and its targets; and ``matrix.correctness``, slim
-  against stock over the core configuration matrix, for a GPU run;
+* ``matrix``: the quick matrix (``run``, the default): cases (shapes, modes, masks, weights),
+  contenders (stock, slim, the floor on shared weights, and slim on its other paths), one case's
+  run, the report and its targets;
 * ``scale``: time and memory against the number of tokens, a process per case;
-* ``detr``: DETR's decoder layer with ``skip_unread_weights``;
-* ``weights``: calls that return their attention weights;
-* ``encoder``: ``nn.TransformerEncoder`` in inference, patched against stock;
-* ``model``: a user's own model, stock against slim.
+* ``model``: a model built stock and patched, compared and timed; ``models.py`` holds the ones this
+  project records (DETR's decoder layer, ``nn.TransformerEncoder``) as factories for it.
 
 ``measure`` holds what they all share: timing (interleaved repeats, stalls), memory (peak, saved,
 parameter and optimizer bytes), the allocator's warm and cold states, the busy processes, the

@@ -1,7 +1,7 @@
 """``python -m slim_mha.bench`` / ``slim-mha-bench``: wires the subcommands, one subpackage each.
 
 * ``run`` (the default, also with its options and no subcommand): ``matrix/command.py``;
-* ``scale``, ``detr``, ``weights``, ``encoder``, ``model``: ``<name>/command.py``.
+* ``scale``, ``model``: ``<name>/command.py`` (``model`` runs the factories of ``models.py`` too).
 """
 
 from __future__ import annotations
@@ -9,12 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .detr import command as detr_command
-from .encoder import command as encoder
 from .matrix import command as run_command
 from .model import command as model
 from .scale import command as scale_command
-from .weights import command as weights_command
 
 __all__ = ["build_parser", "main"]
 
@@ -25,13 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark SlimMultiheadAttention against stock nn.MultiheadAttention. Without a\n"
         "subcommand, or with its options alone, it does what 'run' does.",
         epilog=run_command.EXAMPLES
-        + "  python -m slim_mha.bench scale --help  # the other subcommands: scale, detr, weights, encoder, model\n",
+        + "  python -m slim_mha.bench scale --help  # the other subcommands: scale, model\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run_command.add_options(parser)
     parser.set_defaults(handler=run_command.run, parser=parser)
     subparsers = parser.add_subparsers(title="subcommands", metavar="COMMAND")
-    for command in (run_command, scale_command, detr_command, weights_command, encoder, model):
+    for command in (run_command, scale_command, model):
         command.add_parser(subparsers)
     return parser
 

@@ -38,8 +38,10 @@ SET_SHAPE = (16, 64, 64, 4)
 # Self-attention with a padding mask (sets of two sizes in one batch): the smallest call users run,
 # where stock's kernel with its mask is hard to beat, and the first target shape.
 MASKED_SHAPES = ((2, 16, 64, 4), TARGET_SHAPES[0])
-# What a case passes as masks: "none", or "padding", a key padding mask (contenders.case_masks).
-MASKINGS = ("none", "padding")
+# What a case passes as masks (contenders.case_masks, boolean, as stock's fast path takes them): a key
+# padding mask with the last quarter of the keys padded in every other batch row (sets of two sizes),
+# a causal mask, or both.
+MASKINGS = ("none", "padding", "causal", "both")
 
 # The sweeps behind the speed-up plot. Batch follows the sequence length so that every case holds
 # about the same number of tokens: short sequences are not drowned in overhead, long ones stay

@@ -41,7 +41,7 @@ from .report import (
     paired_ratio,
     plot_speedup,
 )
-from .runner import run_case
+from .runner import CaseOptions, run_case
 
 __all__ = ["EXAMPLES", "add_options", "add_parser", "run"]
 
@@ -55,6 +55,8 @@ examples:
   python -m slim_mha.bench run --full --dry-run   # list the cases without running them
   python -m slim_mha.bench run --busy 2     # the quick run beside 2 busy processes (a shared CPU)
   python -m slim_mha.bench run --threads 1  # ratios that reproduce when other processes share the CPU
+  python -m slim_mha.bench run --mode inference --need-weights true --one-pass --blocks 2  # slim's other paths
+  python -m slim_mha.bench run --mode inference --masks padding,causal  # bool masks, self-attention
 """
 
 
@@ -88,7 +90,19 @@ def add_options(parser: AddsArguments) -> None:
     parser.add_argument("--attention", type=_csv(str), metavar="KIND,...", help="comma list of self, cross")
     parser.add_argument("--need-weights", choices=("both", "true", "false"), help="default: both")
     parser.add_argument(
-        "--masks", type=_csv(str), metavar="MASKS,...", help="comma list of none, padding (self-attention only)"
+        "--masks",
+        type=_csv(str),
+        metavar="MASKS,...",
+        help="comma list of none, padding (the last quarter of the keys of every other row), causal, both; "
+        "bool, self-attention only",
+    )
+    parser.add_argument(
+        "--one-pass",
+        action="store_true",
+        help="also time slim's own one-pass path, which it takes where stock's kernel does not apply",
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=0, metavar="N", help="also time slim forced into N blocks of query rows"
     )
     add_timing_options(parser, repeats_help="timed repeats per contender (default: 15 quick, 21 full on CPU)")
     parser.add_argument("--time-budget-s", type=float, help="start no new case after this many seconds")
@@ -178,6 +192,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--equivariance-every must be at least 1, got {args.equivariance_every}")
     if any(length <= 0 for length in args.seq_len or ()):
         parser.error("--seq-len: lengths must be positive integers")
+    if args.blocks < 0:
+        parser.error(f"--blocks must be at least 0, got {args.blocks}")
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> tuple[list, list[str]]:
@@ -200,6 +216,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: tor
         need_weights=need_weights,
         masks=args.masks,
     )
+    if any(args.blocks > case.seq_len for case in cases):
+        parser.error(f"--blocks must be at most every case's sequence length, got {args.blocks}")
     notes = []
     missing_equivariance = equivariance_support()
     if missing_equivariance and any(case.mode == "train-equivariance" for case in cases):
@@ -213,6 +231,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: tor
 def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payload: dict, json_path: Path) -> None:
     """Run every case in order, saving the JSON after each so that a cut-short run keeps its cases."""
     settings = timing_settings(args.parser, args, device, full=args.full)
+    options = CaseOptions(args.equivariance_every, args.profile, args.compile, args.one_pass, args.blocks)
     started = time.perf_counter()
     for index, case in enumerate(cases, 1):
         if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
@@ -220,14 +239,7 @@ def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payl
                 f"time budget of {args.time_budget_s:.0f} s spent: {len(cases) - index + 1} cases not run"
             )
             break
-        result = run_case(
-            case,
-            device,
-            settings,
-            equivariance_every=args.equivariance_every,
-            profile_ops=args.profile,
-            compile_backend=args.compile,
-        )
+        result = run_case(case, device, settings, options)
         payload["cases"].append(result)
         write_json(json_path, payload)
         ratios = result["ratios"]

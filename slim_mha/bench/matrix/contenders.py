@@ -32,14 +32,16 @@ from torch import Tensor, nn
 
 from ..._torch_compat import stock_kernel
 from ...attention import SlimMultiheadAttention
+from ...paths import forcing_blocks
 from ..measure.compiled import graph_breaks
-from .cases import AUTOCAST, DTYPES, Case
+from .cases import AUTOCAST, DTYPES, MASKINGS, Case
 
 __all__ = [
     "CONTENDERS",
     "MASKS",
     "Contender",
     "build_contenders",
+    "slim_variants",
     "case_masks",
     "equivariance_support",
     "fast_path_enabled",
@@ -47,9 +49,7 @@ __all__ = [
 ]
 
 CONTENDERS = ("stock", "slim", "floor")
-# The masks a case can pass: a key padding mask with the last quarter of the keys padded in every
-# other batch row (sets of two sizes), a causal mask, or both. Boolean, as stock's fast path takes them.
-MASKS = ("none", "padding", "causal", "both")
+MASKS = MASKINGS
 
 
 @dataclass
@@ -271,6 +271,35 @@ def build_contenders(
     for name, found in breaks.items():
         contenders[name].graph_breaks = found
     return contenders
+
+
+def slim_variants(slim: Contender, case: Case, *, one_pass: bool, blocks: int) -> dict[str, Contender]:
+    """Slim pushed onto the paths it takes only where its first choice does not apply:
+
+    * ``one_pass``: slim's own path, stock's fast path switched off around its calls (slim follows it),
+      as where stock's kernel does not apply (masks, odd head counts, cross-attention);
+    * ``blocks``: slim forced into ``blocks`` blocks of query rows, as where one pass does not fit in memory.
+    """
+    contexts: dict[str, Callable[[], contextlib.AbstractContextManager]] = {}
+    if one_pass:
+        contexts["one_pass"] = lambda: fast_path_enabled(False)
+    if blocks:
+        block_bytes = case.batch * case.num_heads * case.seq_len * -(-case.seq_len // blocks) * 4  # fp32 scores
+        contexts["blocks"] = lambda: forcing_blocks(block_bytes)
+
+    def within(call, context):
+        def run():
+            with context():
+                return call()
+
+        return run
+
+    return {
+        name: Contender(
+            name, within(slim.step, context), within(slim.forward, context), slim.parameters, slim.reset, slim.external
+        )
+        for name, context in contexts.items()
+    }
 
 
 def _contender(

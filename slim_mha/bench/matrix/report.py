@@ -175,6 +175,10 @@ def format_summary(results: list[dict]) -> str:
                 f"allocator cold: stock/slim {_compact(cold_ratios[0])}x to {_compact(cold_ratios[-1])}x; "
                 f"slim faults no more pages per call than stock in {fewer}/{len(cold)} cases"
             )
+        for variant in ("one_pass", "blocks"):  # slim pushed onto its other paths (run --one-pass, --blocks)
+            timed = sorted(paired_ratio(r, f"stock_over_{variant}") for r in plain if variant in r["time"])
+            if timed:
+                lines.append(f"stock/{variant} (paired): {_compact(timed[0])}x to {_compact(timed[-1])}x")
         if len(plain) < len(results):
             lines.append("train+eq cases time slim's equivariance check too: their cost is left out here")
         # Memory has one verdict, the memory target's (format_targets), on the console and in the file.

@@ -1,6 +1,7 @@
-"""Slim against stock on one device, over the core configuration matrix: ``python -m slim_mha.bench.matrix.correctness``.
+"""Slim against stock on one device, over the core configuration matrix: ``python tests/device_matrix.py``.
 
-Written for a lent GPU, where the unit tests do not run; it runs on CPU too. Each
+Written for a lent GPU, where the unit tests do not run (``benchmarks/cuda_run.sh`` calls it); it runs
+on CPU too, and ``tests/test_device_matrix.py`` runs it there. Each
 configuration builds stock with every parameter random (so the key bias is non-zero), loads slim
 from it, and runs both on the same inputs, plus stock in float64 on the same (rounded) weights as
 the reference. It compares the output, the attention weights and, in training, the gradients of the
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..._matrix import (
+from slim_mha._matrix import (
     APPENDED,
     ATTENTION_KINDS,
     MODES,
@@ -37,7 +38,7 @@ from ..._matrix import (
     WEIGHTS,
     appended_options,
 )
-from ...attention import SlimMultiheadAttention
+from slim_mha.attention import SlimMultiheadAttention
 
 __all__ = ["Config", "check_config", "core_matrix", "main"]
 
@@ -256,12 +257,12 @@ def check_config(config: Config, device: torch.device) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m slim_mha.bench.matrix.correctness",
+        prog="python tests/device_matrix.py",
         description="Compare slim with stock on one device over the core configuration matrix.",
         epilog=(
             "examples:\n"
-            "  python -m slim_mha.bench.matrix.correctness --device cuda --dtype fp32,bf16 --json out/correctness.json\n"
-            "  python -m slim_mha.bench.matrix.correctness --device cpu --sweep 20"
+            "  python tests/device_matrix.py --device cuda --dtype fp32,bf16 --json out/correctness.json\n"
+            "  python tests/device_matrix.py --device cpu --sweep 20"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,1 +1,0 @@
-"""`python -m slim_mha.bench weights`: calls that return their attention weights."""
