@@ -63,6 +63,7 @@ __all__ = [
     "MigrationReport",
     "ModuleReport",
     "NothingToDo",
+    "StrippedLoadPlanner",
     "format_report",
     "fold_checkpoint",
     "fold_state_dict",
@@ -81,6 +82,10 @@ def __getattr__(name: str):
         from ._migrate import FORMAT_VERSION
 
         return FORMAT_VERSION
+    if name == "StrippedLoadPlanner":  # torch.distributed.checkpoint, imported where it is used
+        from ._dcp_load import StrippedLoadPlanner
+
+        return StrippedLoadPlanner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from ._dcp import METADATA_NAME, PROVENANCE_NAME, is_dcp_folder, open_dcp, provenance
 from ._inputs import InputProblem, OpenedFile, open_input
 from ._records import Checkpoint, Shard, TensorRecord, one_line
 from ._torch_pickles import open_torch
@@ -32,6 +33,8 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 def source_kind(source: Path) -> str:
     """Classify SRC by its path alone (no reads): the output's shape follows from it."""
+    if is_dcp_folder(source):
+        return "dcp"
     if source.is_dir():
         has_index = any(_present(source / name) for name in (INDEX_NAME, TORCH_INDEX_NAME))
         return "sharded" if has_index else "directory"
@@ -111,6 +114,8 @@ def _open_layout(source: Path, opener: _Opener) -> Checkpoint:
         return Checkpoint(source, kind, [shard], notes=notes)
     folder = source if source.is_dir() else source.parent
     root = Path(os.path.realpath(folder))  # every file read must lie in it (see _inputs)
+    if kind == "dcp":
+        return _open_dcp(source, root, opener)
     if kind == "directory":
         single = lone_checkpoint_file(source)
         opened = opener.open(single, root, "replace it with the checkpoint file")
@@ -125,6 +130,18 @@ def _open_layout(source: Path, opener: _Opener) -> Checkpoint:
         index_path = source
         index = opener.open(index_path, None, "pass the index file itself")
     return _open_sharded(source, index, root, opener)
+
+
+def _open_dcp(source: Path, root: Path, opener: _Opener) -> Checkpoint:
+    opened = opener.open(source / METADATA_NAME, root, "pass a folder that dcp.save wrote")
+    fix = "copy the whole folder dcp.save wrote"
+    checkpoint, entries = open_dcp(source, opened, lambda path, listed: opener.open(path, root, fix, listed=listed))
+    checkpoint.entries = entries
+    if _present(source / PROVENANCE_NAME):  # an earlier run's record, read as a safetensors file's metadata is
+        recorded = opener.open(source / PROVENANCE_NAME, root, "remove it, or copy the folder again")
+        checkpoint.index_metadata = provenance(recorded)
+        checkpoint.other_inputs.append(recorded.path)
+    return checkpoint
 
 
 def lone_checkpoint_file(folder: Path) -> Path:

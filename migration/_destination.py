@@ -78,7 +78,7 @@ class Companion:
 
 def check_destination(source: Path, kind: str, destination: Path, *, force: bool, dry_run: bool = False) -> None:
     """The checks that need only paths, before anything is read."""
-    writes_directory = kind in ("directory", "sharded")
+    writes_directory = kind in ("directory", "sharded", "dcp")
     if writes_directory and destination.name.endswith((".safetensors", ".json")):
         raise ValueError(
             f"{shown(destination)}: {shown(source)} is a checkpoint directory, so DST must be a directory "
@@ -138,7 +138,7 @@ def check_replaceable(
     hold any file in ``reads``, and a folder holds only files this run writes that are ours (see the
     module's docstring). Run once the output is planned, and again just before the output is moved
     into place."""
-    _check_not_an_input(destination, reads)
+    check_not_an_input(destination, reads)
     if not os.path.lexists(destination):
         return
     if not directory:
@@ -240,6 +240,7 @@ def find_companions(checkpoint: Checkpoint, *, follow_outside_links: bool = Fals
 def input_files(checkpoint: Checkpoint, companions: list[Companion]) -> list[Path]:
     """Every file the run reads, as the user named it (resolved when compared)."""
     paths = [checkpoint.source] + [shard.path for shard in checkpoint.shards] + [c.path for c in companions]
+    paths += checkpoint.other_inputs
     if checkpoint.index_path is not None:
         paths.append(checkpoint.index_path)
     return paths
@@ -260,7 +261,7 @@ def _resolved(path: Path, parents: dict[str, str]) -> Path:
     return Path(os.path.join(parents[folder], name))
 
 
-def _check_not_an_input(destination: Path, reads: list[Path]) -> None:
+def check_not_an_input(destination: Path, reads: list[Path]) -> None:
     target = Path(os.path.realpath(destination))
     identities = {}
     parents: dict[str, str] = {}
@@ -429,6 +430,7 @@ def _same_bytes(path: Path, other: Path) -> bool:
 __all__ = [
     "COMPANIONS_KEY",
     "OURS_KEY",
+    "check_not_an_input",
     "Companion",
     "WEIGHT_SUFFIXES",
     "check_destination",

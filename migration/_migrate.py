@@ -26,16 +26,18 @@ import torch
 from slim_mha.bias import FORMAT_VERSION
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, open_checkpoint, output_name, source_kind
+from ._dcp_writer import check_replaceable_dcp, planned_dcp_sizes
 from ._destination import (
     COMPANIONS_KEY,
     Companion,
     check_destination,
+    check_not_an_input,
     check_replaceable,
     find_companions,
     input_files,
 )
 from ._modules import AttentionGroup, find_attention_modules
-from ._output import output_files, planned_sizes, write_output
+from ._output import output_files, planned_sizes, write_dcp_output, write_output
 from ._plan import MODES, ModulePlan, already_folded, keep_module, migrated_tensors, plan_module
 from ._records import FLOAT_DTYPES, Checkpoint
 from ._run_options import MigrationOptions
@@ -207,8 +209,17 @@ def _write_planned(
     writes = {name for name, _ in outputs} | ({checkpoint.output_index_name} if checkpoint.kind == "sharded" else set())
     writes |= {companion.name for companion in copied}
     reads = input_files(checkpoint, found)
+    # A DCP folder keeps its format: its own files, sizes and replacement rule (see ._dcp_writer).
+    placed_at = {
+        plan.group.key(local): plan.group.key(source) for plan in plans for local, source in plan.placed.items()
+    }
+    writes_dcp = checkpoint.kind == "dcp"
 
     def check() -> None:
+        if writes_dcp:
+            check_not_an_input(destination, reads)
+            check_replaceable_dcp(destination, {companion.name for companion in copied})
+            return
         check_replaceable(
             destination, directory=checkpoint.writes_directory, writes=writes, reads=reads, companions=copied
         )
@@ -217,13 +228,22 @@ def _write_planned(
     # The sizes the files will have on disk; a companion record of the same length stands in for the
     # digests, which are known only once the files are copied.
     placeholder = {companion.name: "0" * 64 for companion in copied}
-    output_bytes = sum(planned_sizes(checkpoint, outputs, metadata, placeholder).values())
+    if writes_dcp:
+        sizes = planned_dcp_sizes(checkpoint, outputs, placed_at, metadata, placeholder, destination)
+    else:
+        sizes = planned_sizes(checkpoint, outputs, metadata, placeholder)
+    output_bytes = sum(sizes.values())
     _check_free_space(destination, output_bytes + sum(companion.size for companion in copied))
     if options.dry_run:
         checkpoint.check_unchanged()  # what the dry run planned and verified is what SRC holds
         if not destination.parent.resolve().is_dir():
             notes += (f"{shown(destination.parent)} does not exist yet: create it before the real run",)
         return {}, notes, output_bytes, copied
+    if writes_dcp:
+        written, write_notes = write_dcp_output(
+            checkpoint, destination, outputs, placed_at, metadata, copied, options, check=check
+        )
+        return written, write_notes + notes, sum(written.values()), copied
     written, write_notes = write_output(checkpoint, destination, outputs, metadata, copied, options, check=check)
     return written, write_notes + notes, sum(written.values()), copied
 

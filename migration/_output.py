@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ._dcp_writer import write_dcp
 from ._destination import (
     COMPANIONS_KEY,
     Companion,
@@ -33,7 +34,7 @@ from ._verify import check_written_file, check_written_text
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import option, shown
 
-__all__ = ["output_files", "planned_sizes", "write_output"]
+__all__ = ["output_files", "planned_sizes", "write_dcp_output", "write_output"]
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 
@@ -145,6 +146,40 @@ def write_output(
         raise _write_error(exc, destination, staging) from None
     finally:
         bar.close()
+
+
+def write_dcp_output(
+    checkpoint: Checkpoint,
+    destination: Path,
+    files: list[tuple[str, list[OutputTensor]]],
+    placed_at: dict[str, str],
+    provenance: dict[str, str],
+    companions: list[Companion],
+    options: MigrationOptions,
+    *,
+    check: Callable[[], None],
+) -> tuple[dict[str, int], tuple[str, ...]]:
+    """:func:`._dcp_writer.write_dcp`, with the companion files copied as for the other formats."""
+    root = Path(os.path.realpath(checkpoint.source))
+    with tqdm(total=sum(c.size for c in companions), unit="B", unit_scale=True, disable=True) as bar:
+        try:
+            return write_dcp(
+                checkpoint,
+                destination,
+                files,
+                placed_at,
+                provenance,
+                companions,
+                options,
+                check=check,
+                copy_companions=lambda staging: _copy_companions(staging, destination, companions, root, options, bar),
+            )
+        except OSError as exc:
+            if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
+                raise
+            raise OSError(
+                f"{shown(destination)}: cannot write the output ({exc.strerror or exc}); nothing was written"
+            ) from None
 
 
 def _copy_companions(

@@ -127,9 +127,12 @@ class Shard:
 
 @dataclass(eq=False)
 class Checkpoint:
-    """A checkpoint's layout: ``kind`` is "file", "directory" (one model file), "sharded" or "torch".
+    """A checkpoint's layout: ``kind`` is "file", "directory" (one model file), "sharded", "torch" or
+    "dcp" (a ``torch.distributed.checkpoint`` folder).
 
-    ``index_name`` is the output index's name; ``index_path`` the index that was read.
+    ``index_name`` is the output index's name; ``index_path`` the index that was read (a DCP folder's
+    ``.metadata``). ``other_inputs``: files read beside those (a DCP folder's provenance); ``entries``:
+    what a format's writer needs beyond the records (:class:`._dcp.DcpEntries`).
     """
 
     source: Path
@@ -141,6 +144,8 @@ class Checkpoint:
     index_path: Path | None = None
     files: list[OpenedFile] = field(default_factory=list)  # every input opened: shards and index
     index_file: OpenedFile | None = None
+    other_inputs: list[Path] = field(default_factory=list)
+    entries: object | None = None
 
     @property
     def output_index_name(self) -> str:
@@ -177,7 +182,7 @@ class Checkpoint:
 
     @property
     def writes_directory(self) -> bool:
-        return self.kind in ("directory", "sharded")
+        return self.kind in ("directory", "sharded", "dcp")
 
     def recorded(self, key: str) -> list[tuple[Path, object]]:
         """Each value of metadata ``key`` stored in the files (shards, then the index), with its file."""

@@ -221,6 +221,19 @@ def _write_at(descriptor: int, data, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
+def copy_range(
+    source: OpenedFile, source_offset: int, target: int, target_offset: int, length: int, buffer: bytearray
+) -> None:
+    """Copy ``length`` bytes of the opened input ``source`` into the file open as ``target``."""
+    _copy_range(
+        source.descriptor, source_offset, target, target_offset, length, buffer, _no_progress, source_path=source.path
+    )
+
+
+def _no_progress(count: int) -> None:
+    pass
+
+
 def _copy_range(
     source: int,
     source_offset: int,
@@ -278,4 +291,4 @@ def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> N
     assert keys == {tensor.key for tensor in ordered}, f"{shown(shown_as)}: written keys differ from the plan"
 
 
-__all__ = ["OutputTensor", "copy_file", "planned_size", "write_safetensors"]
+__all__ = ["OutputTensor", "copy_file", "copy_range", "planned_size", "write_safetensors"]

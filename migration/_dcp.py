@@ -1,0 +1,224 @@
+"""Reading a ``torch.distributed.checkpoint`` (DCP) folder as tensor records, in one process.
+
+A DCP folder holds a ``.metadata`` file and ``*.distcp`` data files. The metadata (a pickle) lists
+every entry of the saved state dict: a tensor's dtype, global shape and chunks (the pieces the ranks
+saved, each a ``torch.save`` blob at a byte range of a data file), or a non-tensor's byte range.
+
+The metadata is unpickled by an unpickler that builds DCP's own record classes, torch's sizes, dtypes
+and layouts, and paths, and refuses anything else, so a crafted file cannot run code; each chunk is
+read with ``torch.load(weights_only=True)``, from its byte range of the opened data file only, and so
+needs the torch release other pickles do (:data:`._torch_pickles.SAFE_PICKLE_TORCH`). A tensor's data
+is read only when asked for (:meth:`DcpRecord.read`): a migration materialises the attention biases
+it rewrites and copies every other entry byte for byte (:mod:`._dcp_writer`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._inputs import OpenedFile
+from ._records import DTYPE_NAMES, Checkpoint, Shard, TensorRecord, one_line
+from ._torch_pickles import SAFE_PICKLE_TORCH, torch_reads_pickles_safely
+from .report import shown
+
+__all__ = ["METADATA_NAME", "PROVENANCE_NAME", "DcpEntries", "DcpRecord", "is_dcp_folder", "open_dcp", "read_metadata"]
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+# What this tool adds to a DCP folder it writes: the run's provenance (DCP's metadata has no free-form
+# field), read back by the next run as a safetensors file's metadata is.
+PROVENANCE_NAME = "slim_mha.json"
+_MAX_METADATA_BYTES = 1 << 30
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+def is_dcp_folder(source: Path) -> bool:
+    """A folder with DCP's ``.metadata`` file (by the path alone: judged again when opened)."""
+    return source.is_dir() and os.path.lexists(source / METADATA_NAME)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes and the torch and path values they hold; refuses any other class."""
+
+    def find_class(self, module: str, name: str):
+        if module in _DCP_MODULES and not name.startswith("__"):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return super().find_class(module, name)
+        if module == "pathlib" and name in _PATH_CLASSES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it needs {module}.{name}, which DCP's metadata never holds")
+
+
+def read_metadata(opened: OpenedFile):
+    """DCP's ``Metadata`` from the opened ``.metadata`` file, or a one-line ``ValueError`` naming it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if opened.size > _MAX_METADATA_BYTES:
+        raise ValueError(f"{shown(opened.path)}: {opened.size} bytes is far more than DCP metadata takes")
+    try:
+        data = _read_range(opened, 0, opened.size)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{shown(opened.path)}: does not read as torch.distributed.checkpoint metadata ({shown(one_line(exc))}); "
+            "pass a folder that dcp.save wrote"
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f"{shown(opened.path)}: holds {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+@dataclass(eq=False)
+class DcpRecord(TensorRecord):
+    """A DCP tensor: its chunks, each ``(offsets, sizes, storage)`` with ``storage`` DCP's byte range
+    (relative_path, offset, length) in the folder's data files."""
+
+    chunks: list = field(default_factory=list)
+    data_files: dict[str, OpenedFile] = field(default_factory=dict)
+
+    def read(self) -> Tensor:
+        """The whole tensor, assembled from its chunks (each ``torch.load``-ed from its byte range)."""
+        tensor = torch.empty(self.shape, dtype=_dtype(self.dtype))
+        for offsets, sizes, storage in self.chunks:
+            chunk = self.read_chunk(storage)
+            if tuple(chunk.shape) != tuple(sizes) or chunk.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{shown(self.shard.path)}: '{shown(self.key)}' has a chunk of {tuple(chunk.shape)} {chunk.dtype} "
+                    f"where the metadata says {tuple(sizes)} {tensor.dtype}; the folder is inconsistent"
+                )
+            tensor[tuple(slice(start, start + size) for start, size in zip(offsets, sizes))] = chunk
+        return tensor
+
+    def read_chunk(self, storage) -> Tensor:
+        data = _read_range(self.data_files[storage.relative_path], storage.offset, storage.length)
+        try:
+            chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # the weights-only unpickler's refusals and a corrupt zip alike
+            raise ValueError(
+                f"{shown(self.shard.path)}: cannot read a chunk of '{shown(self.key)}' ({shown(one_line(exc))})"
+            ) from None
+        if not isinstance(chunk, Tensor):
+            raise ValueError(f"{shown(self.shard.path)}: a chunk of '{shown(self.key)}' is not a tensor")
+        return chunk
+
+
+@dataclass
+class DcpEntries:
+    """The parts of a DCP folder the writer needs beside the records: the metadata as read, the data
+    files by their relative path, and each entry's storage items, by fully qualified name."""
+
+    metadata: object
+    data_files: dict[str, OpenedFile]
+    items: dict[str, list] = field(default_factory=dict)  # fqn -> [(MetadataIndex, storage)], in file order
+
+
+def open_dcp(source: Path, opened_metadata: OpenedFile, open_data) -> tuple[Checkpoint, DcpEntries]:
+    """SRC's records (one shard per data file, each tensor in the file of its first chunk) and entries.
+
+    ``open_data(path, listed)`` opens a data file the metadata names (raising if it is missing or not
+    SRC's). Raises ``ValueError`` for metadata that refers to data that is not there.
+    """
+    metadata_path = opened_metadata.path
+    if not torch_reads_pickles_safely():
+        raise ValueError(
+            f"{shown(source)}: a DCP folder's chunks are torch pickles, and torch {torch.__version__} reads them "
+            f"unsafely; install torch >= {'.'.join(map(str, SAFE_PICKLE_TORCH))} to migrate it"
+        )
+    metadata = read_metadata(opened_metadata)
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or metadata.storage_data is None:
+        raise ValueError(f"{shown(metadata_path)}: has no storage records; not a folder FileSystemWriter wrote")
+    entries = DcpEntries(metadata, {})
+    for index, info in storage.items():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or Path(relative).name != relative or not relative.endswith(DATA_SUFFIX):
+            raise ValueError(
+                f"{shown(metadata_path)}: names the data file {shown(repr(relative))}, not one in the folder"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(
+                f"{shown(metadata_path)}: '{shown(index.fqn)}' is stored through {info.transform_descriptors} "
+                "(a compressing extension), which this tool does not read; save the checkpoint without it"
+            )
+        if relative not in entries.data_files:
+            entries.data_files[relative] = open_data(source / relative, f"{shown(metadata_path)} lists it")
+        size = entries.data_files[relative].size
+        if not (0 <= info.offset and info.length >= 0 and info.offset + info.length <= size):
+            raise ValueError(
+                f"{shown(metadata_path)}: '{shown(index.fqn)}' lies at bytes {info.offset}+{info.length} of "
+                f"{shown(source / relative)}, which holds {size}; the data file is truncated or another save's"
+            )
+        entries.items.setdefault(index.fqn, []).append((index, info))
+    shards = {name: Shard(name, source / name, {}, file=opened) for name, opened in sorted(entries.data_files.items())}
+    for fqn, described in metadata.state_dict_metadata.items():
+        if fqn not in entries.items:
+            raise ValueError(f"{shown(metadata_path)}: '{shown(fqn)}' has no data in any file of the folder")
+        if hasattr(described, "chunks"):
+            record = _record(fqn, described, entries, shards, metadata_path)
+            record.shard.records[fqn] = record
+    checkpoint = Checkpoint(source, "dcp", list(shards.values()), index_name=METADATA_NAME, index_path=metadata_path)
+    checkpoint.index_file = opened_metadata
+    return checkpoint, entries
+
+
+def provenance(opened: OpenedFile | None) -> dict[str, str]:
+    """What an earlier run of this tool recorded in the folder (its ``slim_mha.json``); empty if none."""
+    if opened is None:
+        return {}
+    try:
+        recorded = json.loads(_read_range(opened, 0, min(opened.size, 1 << 20)))
+    except (ValueError, RecursionError):
+        return {}
+    return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+
+
+def _record(fqn: str, described, entries: DcpEntries, shards: dict[str, Shard], metadata_path: Path) -> DcpRecord:
+    dtype = described.properties.dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{shown(metadata_path)}: '{shown(fqn)}' is {dtype}, which this tool does not convert")
+    by_offset = {tuple(index.offset): info for index, info in entries.items[fqn] if index.offset is not None}
+    chunks, covered = [], 0
+    for chunk in described.chunks:
+        info = by_offset.get(tuple(chunk.offsets))
+        if info is None:
+            raise ValueError(
+                f"{shown(metadata_path)}: a chunk of '{shown(fqn)}' at {tuple(chunk.offsets)} has no data in the folder"
+            )
+        chunks.append((tuple(chunk.offsets), tuple(chunk.sizes), info))
+        covered += torch.Size(chunk.sizes).numel()
+    shape = tuple(described.size)
+    if covered != torch.Size(shape).numel():
+        raise ValueError(
+            f"{shown(metadata_path)}: the chunks of '{shown(fqn)}' cover {covered} of its {torch.Size(shape).numel()} "
+            "elements; the folder is missing part of it"
+        )
+    home = shards[chunks[0][2].relative_path] if chunks else next(iter(shards.values()))
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return DcpRecord(fqn, DTYPE_NAMES[dtype], shape, nbytes, home, chunks=chunks, data_files=entries.data_files)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return next(dtype for dtype, stored in DTYPE_NAMES.items() if stored == name)
+
+
+def _read_range(opened: OpenedFile, offset: int, length: int) -> bytes:
+    data = bytearray(length)
+    view, filled = memoryview(data), 0
+    while filled < length:
+        count = os.preadv(opened.descriptor, [view[filled:]], offset + filled)
+        if not count:
+            raise ValueError(f"{shown(opened.path)}: ends {length - filled} bytes early; it changed while being read")
+        filled += count
+    return bytes(data)

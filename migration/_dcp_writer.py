@@ -1,0 +1,317 @@
+"""Writing a migrated DCP folder that ``dcp.load`` reads, with the source's data files copied byte for byte.
+
+Each data file of SRC becomes the data file of the same name in DST: the byte ranges of every entry
+that is kept (chunks of unchanged tensors, non-tensor entries) are copied, in the kernel where it can,
+and the rewritten tensors of the modules that file held come after them, each one whole chunk (a
+``torch.save`` blob, as DCP writes them). No byte of a dropped or rewritten tensor is copied: a stripped
+key bias is not in DST's files. The metadata is SRC's with the entries, chunks and byte ranges of DST;
+``dcp.load`` reshards whole chunks to whatever sharding it loads into. The run's provenance goes into
+``slim_mha.json`` beside them. Memory: the rewritten tensors, and one copy buffer.
+
+Everything is written into a staging folder beside DST and moved into place in one step
+(:mod:`._staging`); with ``verify`` every entry is read back from the staging folder first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._dcp import DATA_SUFFIX, METADATA_NAME, PROVENANCE_NAME, DcpEntries, DcpRecord, read_metadata
+from ._destination import COMPANIONS_KEY, OURS_KEY, Companion, companion_record, output_permissions, permissions
+from ._inputs import open_input
+from ._records import DTYPE_NAMES, Checkpoint
+from ._run_options import MigrationOptions
+from ._staging import Staging, pause_for_tests, sync_files
+from ._writer import OutputTensor, copy_range
+from .report import option, shown
+
+__all__ = ["check_replaceable_dcp", "planned_dcp_sizes", "write_dcp"]
+
+_BUFFER = 1024 * 1024
+
+
+@dataclasses.dataclass
+class _Plan:
+    """DST's data files (each: SRC's items kept, then the new tensors as blobs) and its metadata's parts."""
+
+    kept: dict[str, list] = dataclasses.field(default_factory=dict)  # file -> [(MetadataIndex, storage)]
+    blobs: dict[str, list[tuple[str, Tensor, bytes]]] = dataclasses.field(default_factory=dict)  # file -> new
+    replaced_by: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # SRC fqn -> DST fqns in its place
+
+
+def _plan(checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], placed_at: dict[str, str]) -> _Plan:
+    entries = _entries(checkpoint)
+    output_keys = {tensor.key for _, tensors in files for tensor in tensors if tensor.record is not None}
+    dropped = set(checkpoint.records) - output_keys
+    plan = _Plan()
+    for name in entries.data_files:
+        items = [(index, info) for items in entries.items.values() for index, info in items]
+        plan.kept[name] = sorted(
+            ((index, info) for index, info in items if info.relative_path == name and index.fqn not in dropped),
+            key=lambda item: item[1].offset,
+        )
+        plan.blobs[name] = []
+    for name, tensors in files:
+        for tensor in tensors:
+            if tensor.tensor is None:
+                continue
+            buffer = io.BytesIO()
+            torch.save(tensor.tensor, buffer)
+            plan.blobs[name].append((tensor.key, tensor.tensor, buffer.getvalue()))
+            plan.replaced_by.setdefault(placed_at[tensor.key], []).append(tensor.key)
+    return plan
+
+
+def _entries(checkpoint: Checkpoint) -> DcpEntries:
+    if not isinstance(checkpoint.entries, DcpEntries):
+        raise RuntimeError(f"{checkpoint.source}: not opened as a DCP folder")
+    return checkpoint.entries
+
+
+def _metadata(checkpoint: Checkpoint, plan: _Plan, offsets: dict[str, dict], destination: Path):
+    """DST's metadata: SRC's, each entry where its bytes now are; new tensors in place of those they replace."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    source = _entries(checkpoint).metadata
+    described, planner, storage = {}, {}, {}
+    planner_data = source.planner_data if isinstance(source.planner_data, dict) else {}
+    new_blobs = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
+    for fqn, entry in source.state_dict_metadata.items():
+        for new in plan.replaced_by.get(fqn, []):
+            tensor = new_blobs[new]
+            properties = dataclasses.replace(entry.properties, dtype=tensor.dtype)
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.size())
+            described[new] = TensorStorageMetadata(properties=properties, size=tensor.size(), chunks=[chunk])
+            planner[new] = _renamed_path(planner_data.get(fqn), fqn, new)
+        if fqn in offsets["kept"] or fqn not in checkpoint.records:
+            described[fqn] = entry
+            if fqn in planner_data:
+                planner[fqn] = planner_data[fqn]
+    for (index, info), offset in offsets["items"]:
+        storage[index] = type(info)(info.relative_path, offset, info.length)
+    for (fqn, name, length), offset in offsets["blobs"]:
+        tensor = new_blobs[fqn]
+        storage[MetadataIndex(fqn, torch.Size([0] * tensor.dim()), 0)] = _storage_info(name, offset, length)
+    storage_meta = source.storage_meta
+    if storage_meta is not None and hasattr(storage_meta, "checkpoint_id"):
+        storage_meta = dataclasses.replace(storage_meta, checkpoint_id=destination)
+    return dataclasses.replace(
+        source, state_dict_metadata=described, planner_data=planner, storage_data=storage, storage_meta=storage_meta
+    )
+
+
+def _renamed_path(path, fqn: str, new: str):
+    """The nested-dict path DCP unflattens ``new`` to: ``fqn``'s, with its last name renamed as the key's
+    is (``in_proj_bias`` to ``q_proj_bias``: the attention biases' names hold no dot)."""
+    if new == fqn:
+        return path if path is not None else (new,)
+    (module, _, old_name), (new_module, _, new_name) = fqn.rpartition("."), new.rpartition(".")
+    if module != new_module or not isinstance(path, tuple) or not path or not str(path[-1]).endswith(old_name):
+        return (new,)
+    return (*path[:-1], path[-1][: len(path[-1]) - len(old_name)] + new_name)
+
+
+def _storage_info(name: str, offset: int, length: int):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # DCP's record of a byte range
+
+    return _StorageInfo(name, offset, length)
+
+
+def _layout(plan: _Plan) -> dict:
+    """Where every kept item and new blob lands in DST's files, and each file's size."""
+    layout: dict = {"items": [], "blobs": [], "sizes": {}, "kept": set()}
+    for name, items in plan.kept.items():
+        offset = 0
+        for index, info in items:
+            layout["items"].append(((index, info), offset))
+            layout["kept"].add(index.fqn)
+            offset += info.length
+        for fqn, _, blob in plan.blobs[name]:
+            layout["blobs"].append(((fqn, name, len(blob)), offset))
+            offset += len(blob)
+        layout["sizes"][name] = offset
+    return layout
+
+
+def _metadata_bytes(checkpoint: Checkpoint, plan: _Plan, layout: dict, destination: Path) -> bytes:
+    return pickle.dumps(_metadata(checkpoint, plan, layout, destination))
+
+
+def _provenance_text(provenance: dict[str, str], digests: dict[str, str]) -> str:
+    recorded = dict(provenance)
+    if digests:
+        recorded[COMPANIONS_KEY] = companion_record(digests)
+    return json.dumps(recorded, indent=2, sort_keys=True) + "\n"
+
+
+def planned_dcp_sizes(
+    checkpoint: Checkpoint,
+    files: list[tuple[str, list[OutputTensor]]],
+    placed_at: dict[str, str],
+    provenance: dict[str, str],
+    digests: dict[str, str],
+    destination: Path,
+) -> dict[str, int]:
+    """Each file DST will hold and its size, as :func:`write_dcp` writes them."""
+    plan = _plan(checkpoint, files, placed_at)
+    layout = _layout(plan)
+    sizes = {name: size for name, size in layout["sizes"].items() if size}
+    sizes[METADATA_NAME] = len(_metadata_bytes(checkpoint, plan, layout, destination))
+    sizes[PROVENANCE_NAME] = len(_provenance_text(provenance, digests).encode("utf-8"))
+    return sizes
+
+
+def write_dcp(
+    checkpoint: Checkpoint,
+    destination: Path,
+    files: list[tuple[str, list[OutputTensor]]],
+    placed_at: dict[str, str],
+    provenance: dict[str, str],
+    companions: list[Companion],
+    options: MigrationOptions,
+    *,
+    check: Callable[[], None],
+    copy_companions: Callable[[Path], dict[str, str]],
+) -> tuple[dict[str, int], tuple[str, ...]]:
+    """Write DST (see the module's docstring); returns each written file's size, and notes."""
+    plan = _plan(checkpoint, files, placed_at)
+    layout = _layout(plan)
+    entries = _entries(checkpoint)
+    mode = output_permissions(permissions(checkpoint.source), destination, force=options.force)
+    staging = Staging(destination, directory=True, mode=mode)
+    sizes: dict[str, int] = {}
+    with staging:
+        digests = copy_companions(staging.path)
+        buffer = bytearray(_BUFFER)
+        places = {index: offset for (index, _), offset in layout["items"]}
+        blob_places = dict(layout["blobs"])
+        for number, (name, items) in enumerate(plan.kept.items()):
+            if not layout["sizes"][name]:
+                continue  # every entry of this file was dropped or rewritten
+            source = entries.data_files[name]
+            target = os.open(staging.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for index, info in items:
+                    copy_range(source, info.offset, target, places[index], info.length, buffer)
+                for fqn, _, blob in plan.blobs[name]:
+                    _write_all(target, blob, blob_places[(fqn, name, len(blob))])
+                os.fchmod(target, source.mode)
+            finally:
+                os.close(target)
+            sizes[name] = layout["sizes"][name]
+            if number == 0:
+                pause_for_tests("after-first-shard")
+        metadata = _metadata_bytes(checkpoint, plan, layout, destination)
+        sizes[METADATA_NAME] = _write_file(staging.path / METADATA_NAME, metadata, checkpoint.opened_index.mode)
+        text = _provenance_text(provenance, digests).encode("utf-8")
+        sizes[PROVENANCE_NAME] = _write_file(staging.path / PROVENANCE_NAME, text, 0o644 & mode)
+        sync_files(staging.path, list(sizes))
+        if options.verify:
+            _verify(checkpoint, plan, staging.path, destination)
+        pause_for_tests("before-commit")
+        checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
+        staging.commit(replace=options.force or _is_empty_directory(destination), check=check)
+        pause_for_tests("after-commit")
+    return sizes, tuple(staging.notes)
+
+
+def _write_all(descriptor: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_file(path: Path, data: bytes, mode: int) -> int:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _write_all(descriptor, data, 0)
+        os.fchmod(descriptor, mode)
+    finally:
+        os.close(descriptor)
+    return len(data)
+
+
+def _is_empty_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not os.listdir(path)
+
+
+def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Path) -> None:
+    """Read DST back from the staging folder as ``dcp.load`` would and compare every entry with what
+    was planned: SRC's tensor (or bytes) for a kept entry, the rewritten tensor for a new one."""
+
+    def fail(problem: str) -> RuntimeError:
+        return RuntimeError(
+            f"{shown(destination)}: {option('verify')} read DST back and {problem}; nothing was written"
+        )
+
+    opened = {
+        name: open_input(staging / name, None) for name in (METADATA_NAME, *plan.kept) if (staging / name).exists()
+    }
+    try:
+        written = read_metadata(opened[METADATA_NAME])
+        data_files = {name: file for name, file in opened.items() if name.endswith(DATA_SUFFIX)}
+        expected = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
+        by_fqn: dict[str, list] = {}
+        for index, info in written.storage_data.items():
+            by_fqn.setdefault(index.fqn, []).append((index, info))
+        for fqn, entry in written.state_dict_metadata.items():
+            if not hasattr(entry, "chunks"):
+                ((index, info),) = by_fqn[fqn]
+                source_index, source_info = _entries(checkpoint).items[fqn][0]
+                if _bytes(data_files, info) != _bytes(_entries(checkpoint).data_files, source_info):
+                    raise fail(f"'{shown(fqn)}' differs from SRC's")
+                continue
+            by_offset = {tuple(index.offset): info for index, info in by_fqn.get(fqn, [])}
+            chunks = [(tuple(c.offsets), tuple(c.sizes), by_offset[tuple(c.offsets)]) for c in entry.chunks]
+            dtype = DTYPE_NAMES[entry.properties.dtype]
+            record = DcpRecord(
+                fqn, dtype, tuple(entry.size), 0, checkpoint.shards[0], chunks=chunks, data_files=data_files
+            )
+            want = expected[fqn] if fqn in expected else checkpoint.records[fqn].read()
+            if not torch.equal(record.read(), want):
+                raise fail(f"'{shown(fqn)}' differs from what was planned")
+    finally:
+        for file in opened.values():
+            file.close()
+
+
+def _bytes(files, info) -> bytes:
+    return os.pread(files[info.relative_path].descriptor, info.length, info.offset)
+
+
+def check_replaceable_dcp(destination: Path, writes: set[str]) -> None:
+    """With ``--force``, DST may be replaced only if it is a DCP folder this tool wrote (its
+    ``slim_mha.json`` says so) holding nothing but DCP's files, ours, and the companions it recorded."""
+    if not os.path.lexists(destination) or (destination.is_dir() and not os.listdir(destination)):
+        return
+    recorded_path = destination / PROVENANCE_NAME
+    try:
+        recorded = json.loads(recorded_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict) or OURS_KEY not in recorded:
+        raise ValueError(
+            f"{shown(destination)}: {option('force')} replaces only a DCP folder slim-mha-migrate wrote, and this one "
+            f"has no {PROVENANCE_NAME} of ours (someone else's checkpoint?); move it away or choose another DST"
+        )
+    try:
+        companions = json.loads(recorded.get(COMPANIONS_KEY, "{}"))
+    except (TypeError, ValueError, RecursionError):
+        companions = {}
+    for name in sorted(os.listdir(destination)):
+        ours = name in (METADATA_NAME, PROVENANCE_NAME) or name.endswith(DATA_SUFFIX) or name in companions
+        if not ours and name not in writes:
+            raise ValueError(
+                f"{shown(destination / name)}: {option('force')} would delete it with DST, and no earlier run wrote "
+                "it; move it away or choose another DST"
+            )
