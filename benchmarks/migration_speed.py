@@ -27,6 +27,7 @@ grows: a run that re-parses a header per read grows quadratically.
     python benchmarks/migration_speed.py --size-gib 0.25 --shards 2 --repeats 3
     python benchmarks/migration_speed.py --only many-tensors --repeats 3
     python benchmarks/migration_speed.py --only companions --repeats 5
+    python benchmarks/migration_speed.py --only dcp --size-gib 2 --shards 4
 
 Companion files: a model folder of one small safetensors file beside 3,000 or 10,000 tiny files
 (100 bytes each), folded in process, against ``cp -r SRC DST && sync`` (the same durability: fold
@@ -56,13 +57,14 @@ sys.path.insert(0, str(ROOT))
 from slim_mha.migration import fold_checkpoint  # noqa: E402
 
 EMBED = 1024
-# What a CLI run imports before it migrates anything (torch, safetensors, the migration modules): the
-# package imports ._migrate on first use, so importing the CLI module alone would leave most of it out.
-_IMPORTS = "import slim_mha.migration.cli, slim_mha.migration._migrate"
+# What a CLI run imports before it migrates anything (torch, safetensors, the migration modules, DCP's
+# for a DCP folder): the package imports ._migrate on first use, so importing the CLI module alone would
+# leave most of it out.
+_IMPORTS = "import slim_mha.migration.cli, slim_mha.migration._migrate, torch.distributed.checkpoint"
 # A child that imports everything, resets the kernel's peak-RSS mark (VmHWM, via clear_refs), runs the
 # CLI and reports "rss_at_start peak" in bytes: the peak covers the migration alone, not the imports.
 _CHILD = f"""
-import sys
+import os, sys
 {_IMPORTS}
 from slim_mha.migration.cli import main
 def status(field):
@@ -71,6 +73,10 @@ def status(field):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 start = status("VmRSS")
+if "CAP_EXTRA_BYTES" in os.environ:  # the address space it may use: what it holds now plus this
+    import resource
+    limit = status("VmSize") + int(os.environ["CAP_EXTRA_BYTES"])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 try:
     main(sys.argv[1:])
 finally:
@@ -257,14 +263,16 @@ def timed(action) -> float:
     return time.perf_counter() - start
 
 
-def child_extra_memory(*argv: str) -> int:
-    """Peak RSS of a CLI run above the RSS it had after its imports, in bytes."""
+def child_extra_memory(*argv: str, cap: int | None = None) -> int:
+    """Peak RSS of a CLI run above the RSS it had after its imports, in bytes; ``cap``: the run may map
+    at most this many bytes more than it held after its imports (RLIMIT_AS)."""
+    extra = {} if cap is None else {"CAP_EXTRA_BYTES": str(cap)}
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, *argv],
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **extra},
     )
     if result.returncode != 0:
         raise SystemExit(f"child failed: {result.stderr.strip()}")
@@ -280,9 +288,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir)")
     parser.add_argument(
         "--only",
-        choices=["copy", "many-tensors", "companions"],
+        choices=["copy", "many-tensors", "companions", "dcp"],
         default=None,
-        help="run one part: the 1 GiB comparison with cp, the many-tensors scaling, or the companion files",
+        help="run one part: the 1 GiB comparison with cp, the many-tensors scaling, the companion files, "
+        "or a DCP folder's peak memory",
     )
     args = parser.parse_args()
 
@@ -294,8 +303,61 @@ def main() -> None:
             run_many_tensors(work, args.repeats)
         if args.only in (None, "companions"):
             run_companions(work, args.repeats)
+        if args.only in (None, "dcp"):
+            run_dcp_memory(work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def build_dcp_folder(directory: Path, size_bytes: int, files: int) -> list[int]:
+    """A DCP folder as dcp.save writes it in one process with ``files`` writer threads (one data file
+    each, as ranks give under FSDP); returns the data files' sizes."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(0)
+    per_layer = sum(t.numel() * t.element_size() for t in layer_tensors(0, generator).values())
+    state = {}
+    for layer in range(max(files, round(size_bytes / per_layer))):
+        state.update(layer_tensors(layer, generator))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: assuming one process", as intended
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(directory, thread_count=files))
+    del state
+    return [path.stat().st_size for path in sorted(directory.glob("*.distcp"))]
+
+
+def run_dcp_memory(work: Path, args: argparse.Namespace) -> None:
+    """Peak memory of migrating a DCP folder, against its size and its largest data file; then the same
+    runs under an address-space cap of a quarter of the folder."""
+    source = work / "dcp"
+    sizes = build_dcp_folder(source, int(args.size_gib * 2**30), args.shards)
+    total = sum(sizes)
+    print(
+        f"DCP folder: {total / 2**30:.3f} GiB in {len(sizes)} data files (largest {max(sizes) / 2**20:.1f} MiB), "
+        f"torch {torch.__version__}, python {sys.version.split()[0]}"
+    )
+    print("peak RSS during the run, above the RSS after imports")
+    runs = (
+        ("inspect", ["inspect", str(source)]),
+        ("fold (DCP out)", ["fold", str(source), str(work / "d1"), "--quiet"]),
+        ("strip --verify (DCP out)", ["strip", str(source), str(work / "d2"), "--quiet", "--verify"]),
+        ("to-stock --verify (of strip's)", ["to-stock", str(work / "d2"), str(work / "d3"), "--quiet", "--verify"]),
+        ("fold --to safetensors", ["fold", str(source), str(work / "d4"), "--quiet", "--to", "safetensors"]),
+    )
+    for label, argv in runs:
+        extra = child_extra_memory(*argv)
+        print(
+            f"{label:<31} extra {extra / 2**20:8.1f} MiB = {extra / total:.3f} x folder, "
+            f"{extra / max(sizes):.3f} x largest file"
+        )
+    cap = total // 4
+    print(f"under a cap of {cap / 2**20:.0f} MiB of address space above the imports (a quarter of the folder):")
+    for label, argv in runs[1:3]:
+        shutil.rmtree(argv[2], ignore_errors=True)
+        extra = child_extra_memory(*argv, cap=cap)
+        print(f"{label:<31} completes, extra {extra / 2**20:8.1f} MiB")
 
 
 def run_copy_comparison(work: Path, args: argparse.Namespace) -> None:

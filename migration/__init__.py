@@ -16,9 +16,14 @@ What is read (SRC, never modified):
 - a sharded checkpoint's index, ``model.safetensors.index.json``, ``pytorch_model.bin.index.json`` or
   any other ``*.index.json``, with its shards (``.safetensors`` or torch files, as above) beside it;
 - a folder holding one of those two indexes, or exactly one weight file (``model.safetensors``,
-  ``pytorch_model.bin``, or another name).
+  ``pytorch_model.bin``, or another name);
+- a ``torch.distributed.checkpoint`` (DCP) folder, ``.metadata`` and ``*.distcp`` files, as ``dcp.save``
+  writes it under FSDP2 or in one process: read in one process, without a process group (see
+  :mod:`._dcp`); its chunks are torch pickles, read as the files above are.
 
-What is written (DST) is always safetensors: a ``.safetensors`` file for a file SRC. For an index or a
+What is written (DST) for a DCP folder is a DCP folder (``to="safetensors"``: safetensors shards and an
+index), its unchanged entries copied byte for byte (see :mod:`._dcp_writer`). For any other SRC it is
+safetensors: a ``.safetensors`` file for a file SRC. For an index or a
 folder, DST is a folder: each shard is written as ``.safetensors`` under its Hugging Face name
 (``pytorch_model.bin`` becomes ``model.safetensors``, ``pytorch_model-00001-of-00002.bin``
 ``model-00001-of-00002.safetensors``, and ``pytorch_model.bin.index.json``
@@ -104,6 +109,7 @@ def strip_checkpoint(
     allow_expand: bool = False,
     keep: Iterable[str] = (),
     keep_inexact: bool = False,
+    to: str | None = None,
 ) -> MigrationReport:
     """Write the key-bias-free layout (``q_proj_bias``, ``v_proj_bias``): ``E`` fewer values per
     attention module, which only slim_mha loads. Refuses where dropping the key bias is not exact.
@@ -140,6 +146,10 @@ def strip_checkpoint(
         keep: names or glob patterns of modules to leave as they are (strip only); the report names each.
         keep_inexact: leave as they are the modules strip cannot convert exactly (``add_bias_kv``, marked
             ``add_zero_attn``) instead of refusing the file; the report names each, and why (strip only).
+        to: the output's format for a DCP folder: ``None`` (a DCP folder, which ``dcp.load`` reads;
+            a stripped one with :class:`StrippedLoadPlanner`) or ``"safetensors"`` (a folder of
+            safetensors shards, one per data file that holds tensors, with an index; non-tensor
+            entries are left out, with a note). Other sources are always written as safetensors.
 
     Raises:
         NothingToDo: (a ``ValueError``) the checkpoint is already in this layout; nothing was written.
@@ -164,6 +174,7 @@ def fold_checkpoint(
     progress: bool | None = None,
     follow_outside_links: bool = False,
     allow_expand: bool = False,
+    to: str | None = None,
 ) -> MigrationReport:
     """Write stock's layout with the key slot of every ``in_proj_bias`` zeroed: a file that stock
     ``nn.MultiheadAttention`` and slim_mha both load, computing the original outputs exactly.
@@ -189,6 +200,7 @@ def to_stock_checkpoint(
     progress: bool | None = None,
     follow_outside_links: bool = False,
     allow_expand: bool = False,
+    to: str | None = None,
 ) -> MigrationReport:
     """Convert slim modules back to the stock layout: stock ``nn.MultiheadAttention`` then loads the
     checkpoint with ``strict=True`` and computes the same outputs.

@@ -14,6 +14,7 @@ it rewrites and copies every other entry byte for byte (:mod:`._dcp_writer`).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -29,7 +30,16 @@ from ._records import DTYPE_NAMES, Checkpoint, Shard, TensorRecord, one_line
 from ._torch_pickles import SAFE_PICKLE_TORCH, torch_reads_pickles_safely
 from .report import shown
 
-__all__ = ["METADATA_NAME", "PROVENANCE_NAME", "DcpEntries", "DcpRecord", "is_dcp_folder", "open_dcp", "read_metadata"]
+__all__ = [
+    "METADATA_NAME",
+    "PROVENANCE_NAME",
+    "DcpEntries",
+    "DcpRecord",
+    "as_safetensors_shards",
+    "is_dcp_folder",
+    "open_dcp",
+    "read_metadata",
+]
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -89,22 +99,26 @@ class DcpRecord(TensorRecord):
     data_files: dict[str, OpenedFile] = field(default_factory=dict)
 
     def read(self) -> Tensor:
-        """The whole tensor, assembled from its chunks (each ``torch.load``-ed from its byte range)."""
-        tensor = torch.empty(self.shape, dtype=_dtype(self.dtype))
+        """The whole tensor, assembled from its chunks (each ``torch.load``-ed from its byte range); a
+        tensor saved whole is its one chunk, not a copy of it."""
+        dtype = _dtype(self.dtype)
+        tensor = None if len(self.chunks) == 1 else torch.empty(self.shape, dtype=dtype)
         for offsets, sizes, storage in self.chunks:
             chunk = self.read_chunk(storage)
-            if tuple(chunk.shape) != tuple(sizes) or chunk.dtype != tensor.dtype:
+            if tuple(chunk.shape) != tuple(sizes) or chunk.dtype != dtype:
                 raise ValueError(
                     f"{shown(self.shard.path)}: '{shown(self.key)}' has a chunk of {tuple(chunk.shape)} {chunk.dtype} "
-                    f"where the metadata says {tuple(sizes)} {tensor.dtype}; the folder is inconsistent"
+                    f"where the metadata says {tuple(sizes)} {dtype}; the folder is inconsistent"
                 )
+            if tensor is None:
+                return chunk.contiguous()
             tensor[tuple(slice(start, start + size) for start, size in zip(offsets, sizes))] = chunk
-        return tensor
+        return tensor if tensor is not None else torch.empty(self.shape, dtype=dtype)
 
     def read_chunk(self, storage) -> Tensor:
-        data = _read_range(self.data_files[storage.relative_path], storage.offset, storage.length)
+        reader = io.BufferedReader(_Range(self.data_files[storage.relative_path], storage.offset, storage.length))
         try:
-            chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            chunk = torch.load(reader, map_location="cpu", weights_only=True)
         except Exception as exc:  # the weights-only unpickler's refusals and a corrupt zip alike
             raise ValueError(
                 f"{shown(self.shard.path)}: cannot read a chunk of '{shown(self.key)}' ({shown(one_line(exc))})"
@@ -173,6 +187,29 @@ def open_dcp(source: Path, opened_metadata: OpenedFile, open_data) -> tuple[Chec
     return checkpoint, entries
 
 
+def as_safetensors_shards(checkpoint: Checkpoint, index_name: str) -> Checkpoint:
+    """The DCP folder as a sharded safetensors checkpoint to write: one shard per data file that holds
+    tensors (HF's names, in order) and an index; non-tensor entries cannot go into safetensors and are
+    left out, with a note. The writer reads a shard's tensors (:meth:`DcpRecord.read`) as it writes it."""
+    holding = [shard for shard in checkpoint.shards if shard.records]
+    for number, shard in enumerate(holding, 1):
+        shard.name = f"model-{number:05d}-of-{len(holding):05d}.safetensors"
+    records = checkpoint.records
+    described = getattr(checkpoint.entries, "metadata", None)
+    others = sorted(fqn for fqn in getattr(described, "state_dict_metadata", {}) if fqn not in records)
+    notes = (f"left out {len(others)} non-tensor entries, which safetensors cannot hold: {', '.join(others[:5])}",)
+    view = dataclasses.replace(
+        checkpoint,
+        kind="sharded",
+        shards=holding,
+        index_name=index_name,
+        notes=checkpoint.notes + (notes if others else ()),
+        other_inputs=[*checkpoint.other_inputs, *(shard.path for shard in checkpoint.shards if not shard.records)],
+    )
+    view.files, view.index_file = checkpoint.files, checkpoint.index_file
+    return view
+
+
 def provenance(opened: OpenedFile | None) -> dict[str, str]:
     """What an earlier run of this tool recorded in the folder (its ``slim_mha.json``); empty if none."""
     if opened is None:
@@ -213,7 +250,38 @@ def _dtype(name: str) -> torch.dtype:
     return next(dtype for dtype, stored in DTYPE_NAMES.items() if stored == name)
 
 
-def _read_range(opened: OpenedFile, offset: int, length: int) -> bytes:
+class _Range(io.RawIOBase):
+    """A byte range of an opened file as a seekable stream, read through its descriptor: ``torch.load``
+    reads a chunk's storage straight into the tensor, with no copy of the blob in between."""
+
+    def __init__(self, opened: OpenedFile, offset: int, length: int) -> None:
+        super().__init__()
+        self._opened, self._start, self._length, self._position = opened, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        count = min(len(buffer), max(0, self._length - self._position))
+        if not count:
+            return 0
+        read = os.preadv(self._opened.descriptor, [memoryview(buffer)[:count]], self._start + self._position)
+        self._position += read
+        return read
+
+
+def _read_range(opened: OpenedFile, offset: int, length: int) -> bytearray:
     data = bytearray(length)
     view, filled = memoryview(data), 0
     while filled < length:
@@ -221,4 +289,4 @@ def _read_range(opened: OpenedFile, offset: int, length: int) -> bytes:
         if not count:
             raise ValueError(f"{shown(opened.path)}: ends {length - filled} bytes early; it changed while being read")
         filled += count
-    return bytes(data)
+    return data

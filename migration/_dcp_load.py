@@ -37,8 +37,11 @@ class StrippedLoadPlanner(DefaultLoadPlanner):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
         metadata, prefix = self.metadata, fqn[: -len("in_proj_bias")]
+        if metadata is None:  # set_up_planner asks only with metadata
+            return
         described = {slot: metadata.state_dict_metadata.get(prefix + slot) for slot in _SLOTS}
-        if described["q_proj_bias"] is None:
+        query = described["q_proj_bias"]
+        if not isinstance(query, TensorStorageMetadata):
             return  # neither layout holds it: DefaultLoadPlanner says so as for any missing key
         width = tensor.shape[0] // 3
         chunks = []
@@ -50,8 +53,7 @@ class StrippedLoadPlanner(DefaultLoadPlanner):
             offsets = torch.Size([position * width])
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([width])))
             metadata.storage_data[MetadataIndex(fqn, offsets, len(chunks) - 1)] = info
-        properties = described["q_proj_bias"].properties
-        metadata.state_dict_metadata[fqn] = TensorStorageMetadata(properties, torch.Size([3 * width]), chunks)
+        metadata.state_dict_metadata[fqn] = TensorStorageMetadata(query.properties, torch.Size([3 * width]), chunks)
 
 
 def _zero(tensor, start: int, length: int) -> None:

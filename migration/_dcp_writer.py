@@ -21,6 +21,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,7 +82,7 @@ def _metadata(checkpoint: Checkpoint, plan: _Plan, offsets: dict[str, dict], des
     """DST's metadata: SRC's, each entry where its bytes now are; new tensors in place of those they replace."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-    source = _entries(checkpoint).metadata
+    source: Any = _entries(checkpoint).metadata  # DCP's Metadata, of the torch that reads it
     described, planner, storage = {}, {}, {}
     planner_data = source.planner_data if isinstance(source.planner_data, dict) else {}
     new_blobs = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
@@ -246,47 +247,64 @@ def _is_empty_directory(path: Path) -> bool:
 
 
 def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Path) -> None:
-    """Read DST back from the staging folder as ``dcp.load`` would and compare every entry with what
-    was planned: SRC's tensor (or bytes) for a kept entry, the rewritten tensor for a new one."""
+    """Read DST back from the staging folder and compare it with what was planned: its metadata as DCP
+    reads it, every copied entry's bytes with SRC's (block by block), every new tensor with its value."""
 
     def fail(problem: str) -> RuntimeError:
         return RuntimeError(
             f"{shown(destination)}: {option('verify')} read DST back and {problem}; nothing was written"
         )
 
-    opened = {
-        name: open_input(staging / name, None) for name in (METADATA_NAME, *plan.kept) if (staging / name).exists()
-    }
+    entries = _entries(checkpoint)
+    names = [name for name in (METADATA_NAME, *plan.kept) if (staging / name).exists()]
+    opened = {name: open_input(staging / name, None) for name in names}
     try:
         written = read_metadata(opened[METADATA_NAME])
-        data_files = {name: file for name, file in opened.items() if name.endswith(DATA_SUFFIX)}
-        expected = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
-        by_fqn: dict[str, list] = {}
+        if set(written.state_dict_metadata) != set(
+            _metadata(checkpoint, plan, _layout(plan), destination).state_dict_metadata
+        ):
+            raise fail("its entries differ from those planned")
+        sources = {(index.fqn, _offsets(index)): info for items in entries.items.values() for index, info in items}
+        new = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
+        buffers = bytearray(_BUFFER), bytearray(_BUFFER)
         for index, info in written.storage_data.items():
-            by_fqn.setdefault(index.fqn, []).append((index, info))
-        for fqn, entry in written.state_dict_metadata.items():
-            if not hasattr(entry, "chunks"):
-                ((index, info),) = by_fqn[fqn]
-                source_index, source_info = _entries(checkpoint).items[fqn][0]
-                if _bytes(data_files, info) != _bytes(_entries(checkpoint).data_files, source_info):
-                    raise fail(f"'{shown(fqn)}' differs from SRC's")
-                continue
-            by_offset = {tuple(index.offset): info for index, info in by_fqn.get(fqn, [])}
-            chunks = [(tuple(c.offsets), tuple(c.sizes), by_offset[tuple(c.offsets)]) for c in entry.chunks]
-            dtype = DTYPE_NAMES[entry.properties.dtype]
-            record = DcpRecord(
-                fqn, dtype, tuple(entry.size), 0, checkpoint.shards[0], chunks=chunks, data_files=data_files
-            )
-            want = expected[fqn] if fqn in expected else checkpoint.records[fqn].read()
-            if not torch.equal(record.read(), want):
-                raise fail(f"'{shown(fqn)}' differs from what was planned")
+            if index.fqn in new:
+                record = DcpRecord(
+                    index.fqn, DTYPE_NAMES[new[index.fqn].dtype], tuple(new[index.fqn].shape), 0, checkpoint.shards[0]
+                )
+                if not torch.equal(_load_chunk(record, opened, info), new[index.fqn]):
+                    raise fail(f"'{shown(index.fqn)}' differs from its conversion")
+            elif not _same_bytes(
+                opened[info.relative_path], info, entries.data_files, sources[(index.fqn, _offsets(index))], buffers
+            ):
+                raise fail(f"'{shown(index.fqn)}' differs from SRC's bytes")
     finally:
         for file in opened.values():
             file.close()
 
 
-def _bytes(files, info) -> bytes:
-    return os.pread(files[info.relative_path].descriptor, info.length, info.offset)
+def _load_chunk(record: DcpRecord, opened: dict, info) -> Tensor:
+    record.data_files = opened
+    return record.read_chunk(info)
+
+
+def _offsets(index) -> tuple | None:
+    return None if index.offset is None else tuple(index.offset)
+
+
+def _same_bytes(target, info, source_files, source_info, buffers) -> bool:
+    if info.length != source_info.length:
+        return False
+    source = source_files[source_info.relative_path]
+    done = 0
+    while done < info.length:
+        step = min(_BUFFER, info.length - done)
+        ours = os.preadv(target.descriptor, [memoryview(buffers[0])[:step]], info.offset + done)
+        theirs = os.preadv(source.descriptor, [memoryview(buffers[1])[:step]], source_info.offset + done)
+        if ours != step or theirs != step or buffers[0][:step] != buffers[1][:step]:
+            return False
+        done += step
+    return True
 
 
 def check_replaceable_dcp(destination: Path, writes: set[str]) -> None:

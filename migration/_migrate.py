@@ -26,6 +26,7 @@ import torch
 from slim_mha.bias import FORMAT_VERSION
 
 from ._checkpoint import INDEX_NAME, SINGLE_NAME, open_checkpoint, output_name, source_kind
+from ._dcp import as_safetensors_shards
 from ._dcp_writer import check_replaceable_dcp, planned_dcp_sizes
 from ._destination import (
     COMPANIONS_KEY,
@@ -77,6 +78,8 @@ def migrate(
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if options.fold_value_bias and mode == "to-stock":
         raise ValueError("fold_value_bias applies to strip and fold only; to-stock restores the stock layout")
+    if options.to not in (None, "dcp", "safetensors"):
+        raise ValueError(f"to must be None, 'dcp' or 'safetensors', got {options.to!r}")
     if (options.keep or options.keep_inexact) and mode != "strip":
         raise ValueError(
             f"{option('keep')} and {option('keep_inexact')} apply to strip only; {mode} converts every module it can"
@@ -88,6 +91,10 @@ def migrate(
     if not source.exists():
         raise FileNotFoundError(f"{shown(source)}: no such file or directory")
     kind = source_kind(source)
+    if options.to == "dcp" and kind != "dcp":
+        raise ValueError(
+            f"{shown(source)}: is not a DCP folder, so the output is safetensors; leave out {option('to')}"
+        )
     if kind in ("file", "torch") and destination.is_dir():  # as cp does: into the folder, under SRC's name
         destination = destination / output_name(source.name)
     if not destination.parent.resolve().is_dir() and not options.dry_run:
@@ -97,6 +104,8 @@ def migrate(
     check_destination(source, kind, destination, force=options.force, dry_run=options.dry_run)
 
     with open_checkpoint(source, follow_outside_links=options.follow_outside_links) as checkpoint:
+        if checkpoint.kind == "dcp" and options.to == "safetensors":
+            checkpoint = as_safetensors_shards(checkpoint, INDEX_NAME)
         return _migrate_opened(checkpoint, mode, destination, notes, options)
 
 

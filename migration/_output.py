@@ -224,6 +224,7 @@ def _write_files(
         file_mode = mode if not checkpoint.writes_directory else shards[name].opened.mode
         bar.set_postfix_str(name, refresh=False)
         metadata = _file_metadata(checkpoint, shards[name], provenance, digests)
+        tensors = [_with_data(tensor) for tensor in tensors]  # a DCP shard's tensors, read now: one shard at a time
         sizes[name] = write_safetensors(path, tensors, metadata, bar.update, shown_as=final, mode=file_mode)
         if number == 0:
             pause_for_tests("after-first-shard")
@@ -237,6 +238,14 @@ def _write_files(
         if options.verify:
             check_written_text(index, text, shown_as=destination / checkpoint.output_index_name)
     return sizes
+
+
+def _with_data(tensor: OutputTensor) -> OutputTensor:
+    """``tensor``, read into memory where its source has no byte range to copy (a DCP tensor's chunks)."""
+    record = tensor.record
+    if record is None or record.offset is not None or record.tensor is not None:
+        return tensor
+    return OutputTensor(tensor.key, tensor.dtype, tensor.shape, tensor.nbytes, tensor=record.read())
 
 
 def _write_error(exc: OSError, destination: Path, staging: Staging) -> OSError:

@@ -24,3 +24,4 @@ class MigrationOptions:
     allow_expand: bool = False
     keep: Iterable[str] = ()  # strip: modules left as they are, by name or glob pattern
     keep_inexact: bool = False  # strip: leave as they are the modules it cannot convert exactly
+    to: str | None = None  # "safetensors" or "dcp"; None: DCP for a DCP folder, safetensors otherwise

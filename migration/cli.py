@@ -181,6 +181,12 @@ def _add_run_options(sub: argparse.ArgumentParser, *, fold_value: bool) -> None:
         help="do not copy the non-weight files of a checkpoint folder (config.json, tokenizer files, "
         "README...) into the output folder",
     )
+    sub.add_argument(
+        "--to",
+        choices=("dcp", "safetensors"),
+        help="the output's format for a DCP folder (default: a DCP folder, which dcp.load reads; a stripped "
+        "one with slim_mha.migration.StrippedLoadPlanner): safetensors writes shards and an index instead",
+    )
     if fold_value:
         sub.add_argument(
             "--fold-value-bias",
@@ -363,6 +369,7 @@ def _run(args: argparse.Namespace):
         progress=False if args.quiet else None,
         follow_outside_links=args.follow_outside_links,
         allow_expand=args.allow_expand,
+        to=args.to,
     )
     if args.command == "to-stock":
         return to_stock_checkpoint(args.source, args.destination, **options)

@@ -51,6 +51,7 @@ _OPTIONS = {
     "allow_expand": ("allow_expand=True", "--allow-expand"),
     "keep": ("keep", "--keep"),
     "keep_inexact": ("keep_inexact=True", "--keep-inexact"),
+    "to": ("to", "--to"),
 }
 
 

@@ -181,7 +181,53 @@ def train_fsdp2(rank: int, world_size: int, out_dir: Path) -> bool:
     if rank == 0:
         check_and_save(out_dir / "fsdp2.pt", full, full, world_size)
     dist.barrier()
+    migrate_dcp_and_load_back(rank, model, out_dir, lambda fresh: shard_model(fresh, fully_shard, mesh))
     return True
+
+
+def shard_model(model: Model, fully_shard, mesh) -> Model:
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+DCP_MODES = ("strip", "fold")
+ZERO_ATTN = ("model.attention",)  # the add_zero_attn module, which a stock layout cannot record
+
+
+def migrate_dcp_and_load_back(rank: int, model: Model, out_dir: Path, shard) -> None:
+    """The sharded state dict saved with DCP (each rank its shards); rank 0 migrates the folder in each
+    mode, in one process; every rank loads each output into a fresh sharded model (the stripped one
+    through StrippedLoadPlanner), whose gathered state dict rank 0 saves for the parent test."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from slim_mha.migration import StrippedLoadPlanner, fold_checkpoint, strip_checkpoint
+    from slim_mha.migration._torch_pickles import torch_reads_pickles_safely
+
+    if not torch_reads_pickles_safely():  # the migration refuses DCP's pickled chunks there (its own test)
+        return
+    source = out_dir / "fsdp2-dcp"
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=source)
+    dist.barrier()
+    if rank == 0:
+        strip_checkpoint(source, out_dir / "fsdp2-dcp-strip", zero_attn=ZERO_ATTN, keep_inexact=True, verify=True)
+        fold_checkpoint(source, out_dir / "fsdp2-dcp-fold", zero_attn=ZERO_ATTN, verify=True)
+    dist.barrier()
+    for mode in DCP_MODES:
+        fresh = shard(build_model())
+        with torch.no_grad():
+            for parameter in fresh.parameters():
+                parameter.fill_(7.0)  # nothing of it may survive the load, the key slot included
+        state = {"model": get_model_state_dict(fresh)}
+        planner = StrippedLoadPlanner() if mode == "strip" else None
+        dcp.load(state, checkpoint_id=out_dir / f"fsdp2-dcp-{mode}", **({"planner": planner} if planner else {}))
+        full = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
+        if rank == 0:
+            loaded = {name: tensor.detach().clone() for name, tensor in full.items()}
+            torch.save(loaded, out_dir / f"fsdp2-dcp-{mode}.pt")
+    dist.barrier()
 
 
 def attention_pair(build) -> list[nn.Module]:

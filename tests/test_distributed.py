@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from slim_mha import to_stock
+from slim_mha.migration import fold_state_dict
 
 from _reference import STOCK_MHA, assert_close_scaled
 
@@ -92,6 +93,29 @@ def test_fsdp2_trains_a_patched_model_in_sync(trained):
     if unsupported.exists():
         pytest.skip(unsupported.read_text())
     load_back(trained / "fsdp2.pt")
+
+
+@pytest.mark.parametrize("mode", worker.DCP_MODES)
+def test_fsdp2_dcp_folders_migrate_and_load_back_exact(trained, mode):
+    """FSDP2's sharded DCP folder, migrated in one process, loads into FSDP2 as the in-memory migration
+    of the gathered state dict: strip through StrippedLoadPlanner (its add_bias_kv module kept, as
+    strip cannot drop that key bias), fold as it is."""
+    loaded_file = trained / f"fsdp2-dcp-{mode}.pt"
+    if (trained / "fsdp2-unsupported.txt").exists() or not loaded_file.exists():
+        pytest.skip("no FSDP2 here, or DCP's pickled chunks are refused by this torch (tests/test_migration_dcp.py)")
+    saved = torch.load(trained / "fsdp2.pt")
+    original, probe_output = saved["state_dict"], saved["probe_output"]
+    expected = fold_state_dict(original, zero_attn=["attention"])
+    if mode == "strip":  # the kept module is written as it was
+        expected.update({name: tensor for name, tensor in original.items() if name.startswith("attention.")})
+    loaded = torch.load(loaded_file)
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    slim = worker.build_model()
+    slim.load_state_dict(loaded, strict=True)
+    with torch.no_grad():
+        assert_close_scaled(slim(worker.probe()), probe_output, f"slim output after {mode}")
 
 
 def test_ddp_broadcast_reaches_a_key_bias_written_per_rank(trained):
