@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slim_mha._torch_compat import dcp_storage_info
+
 from ._dcp import DATA_SUFFIX, METADATA_NAME, PROVENANCE_NAME, DcpEntries, DcpRecord, read_metadata
 from ._destination import COMPANIONS_KEY, OURS_KEY, Companion, companion_record, output_permissions, permissions
 from ._inputs import open_input
@@ -101,7 +103,7 @@ def _metadata(checkpoint: Checkpoint, plan: _Plan, offsets: dict[str, dict], des
         storage[index] = type(info)(info.relative_path, offset, info.length)
     for (fqn, name, length), offset in offsets["blobs"]:
         tensor = new_blobs[fqn]
-        storage[MetadataIndex(fqn, torch.Size([0] * tensor.dim()), 0)] = _storage_info(name, offset, length)
+        storage[MetadataIndex(fqn, torch.Size([0] * tensor.dim()), 0)] = dcp_storage_info(name, offset, length)
     storage_meta = source.storage_meta
     if storage_meta is not None and hasattr(storage_meta, "checkpoint_id"):
         storage_meta = dataclasses.replace(storage_meta, checkpoint_id=destination)
@@ -119,12 +121,6 @@ def _renamed_path(path, fqn: str, new: str):
     if module != new_module or not isinstance(path, tuple) or not path or not str(path[-1]).endswith(old_name):
         return (new,)
     return (*path[:-1], path[-1][: len(path[-1]) - len(old_name)] + new_name)
-
-
-def _storage_info(name: str, offset: int, length: int):
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # DCP's record of a byte range
-
-    return _StorageInfo(name, offset, length)
 
 
 def _layout(plan: _Plan) -> dict:

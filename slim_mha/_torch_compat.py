@@ -29,6 +29,7 @@ __all__ = [
     "nested_from_padded",
     "pytree",
     "ACCELERATOR_DEVICES",
+    "dcp_storage_info",
     "stock_kernel",
     "sdpa_zeroes_rows_masked_from_every_key",
     "stock_layer_unfuses_for_hooks",
@@ -254,3 +255,12 @@ def sdpa_zeroes_rows_masked_from_every_key() -> bool:
         out = F.scaled_dot_product_attention(leaf, leaf, leaf, attn_mask=mask)
         out.sum().backward()
     return bool((out[..., 1, :] == 0).all()) and leaf.grad is not None and bool(leaf.grad.isfinite().all())
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int):
+    """DCP's record of an entry's byte range in a data file (``FileSystemReader`` reads
+    ``Metadata.storage_data`` values of this class): private in name since DCP's first release, with
+    these three fields through 2.15."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

@@ -96,7 +96,10 @@ def test_fold_writes_a_dcp_folder_that_loads_as_the_in_memory_fold(saved, tmp_pa
     source, state = saved
     before = tree_digest(source)
     report = fold_checkpoint(source, tmp_path / "folded", verify=True)
-    assert sorted(module.name for module in report.modules if module.changed) == ["model.cross", "model.layer.self_attn"]
+    assert sorted(module.name for module in report.modules if module.changed) == [
+        "model.cross",
+        "model.layer.self_attn",
+    ]
     assert tree_digest(source) == before  # SRC untouched
     actual, step = loaded(tmp_path / "folded", patched=patched)
     assert step == 7
