@@ -66,7 +66,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
             return super().find_class(module, name)
-        if module == "pathlib" and name in _PATH_CLASSES:
+        if module in ("pathlib", "pathlib._local") and name in _PATH_CLASSES:  # the latter: Python 3.13
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it needs {module}.{name}, which DCP's metadata never holds")
 

@@ -548,7 +548,12 @@ def test_no_import_cycles_in_migration():
 
     for name in graph:
         visit(name, [name])
-    assert graph["_migrate"] and graph["__init__"] == {"_dcp_load", "_migrate", "_state_dict", "report"}  # lazy imports seen
+    assert graph["_migrate"] and graph["__init__"] == {
+        "_dcp_load",
+        "_migrate",
+        "_state_dict",
+        "report",
+    }  # lazy imports seen
 
 
 def test_paths_resolve_as_realpath_does(tmp_path):
@@ -564,3 +569,20 @@ def test_paths_resolve_as_realpath_does(tmp_path):
         Path("relative"),
     ):
         assert _resolved(path, {}) == Path(os.path.realpath(path)), path
+
+
+def test_a_dcp_folder_on_a_torch_that_reads_pickles_unsafely_is_refused_unread(tmp_path, monkeypatch, capsys):
+    """DCP's chunks are torch pickles: refused where other pickles are, before a chunk is read."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from slim_mha.migration import _dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: one process", as intended
+        dcp.save({"model": prefixed(stock_attention(), "attn.")}, checkpoint_id=tmp_path / "ckpt")
+    monkeypatch.setattr(_dcp, "torch_reads_pickles_safely", lambda: False)
+    code, _, err = run_cli(["fold", tmp_path / "ckpt", tmp_path / "out"], capsys)
+    assert code == 1 and "a DCP folder's chunks are torch pickles" in err and "install torch >= 2.10.0" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
