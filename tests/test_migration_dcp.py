@@ -8,8 +8,14 @@ the state dict that was saved. FSDP2's sharded folders: tests/test_distributed.p
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import pickle
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +250,60 @@ def test_the_documented_dcp_example_runs(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exec(compile(block.code, str(block), "exec"), {"__name__": "__main__"})
+
+
+def test_a_dry_run_writes_nothing_and_companion_files_are_copied(saved, tmp_path):
+    source, _ = saved
+    (source / "README.md").write_text("trained for 7 steps\n")
+    (source / "notes").mkdir()
+    report = fold_checkpoint(source, tmp_path / "dry", dry_run=True, verify=True)
+    assert not (tmp_path / "dry").exists() and report.output_bytes > 0
+    report = fold_checkpoint(source, tmp_path / "out")
+    assert (tmp_path / "out" / "README.md").read_text() == "trained for 7 steps\n"
+    assert report.companions == ("README.md",) and any("notes/" in note for note in report.notes)
+    recorded = json.loads((tmp_path / "out" / "slim_mha.json").read_text())
+    assert recorded["slim_mha.mode"] == "fold" and "README.md" in recorded["slim_mha.companions"]
+    fold_checkpoint(source, tmp_path / "out", force=True)  # its own companion: replaced with the rest
+
+
+def test_verify_fails_on_a_wrong_copy_and_nothing_is_written(saved, tmp_path, monkeypatch):
+    """The read-back must be able to fail: the first copied byte range taken one byte late."""
+    from slim_mha.migration import _dcp_writer
+
+    source, _ = saved
+    copy = _dcp_writer.copy_range
+    monkeypatch.setattr(_dcp_writer, "copy_range", lambda src, offset, *rest: copy(src, offset + (offset == 0), *rest))
+    with pytest.raises(RuntimeError, match="differs from SRC's bytes; nothing was written"):
+        fold_checkpoint(source, tmp_path / "out", verify=True)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_run_killed_while_writing_leaves_no_dst_and_the_next_run_cleans_up(saved, tmp_path):
+    source, _ = saved
+    ready, out = tmp_path / "ready", tmp_path / "out"
+    tests = str(Path(__file__).parent)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(tests) / "_paused_migration.py"),
+            "after-first-shard",
+            str(ready),
+            "fold",
+            str(source),
+            str(out),
+        ],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    process.kill()
+    process.wait(timeout=60)
+    assert not out.exists()
+    report = fold_checkpoint(source, out, verify=True)
+    assert out.is_dir() and [name for name in os.listdir(tmp_path) if name.startswith(".out")] == []
+    assert any("removed" in note for note in report.notes)
