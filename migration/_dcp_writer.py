@@ -55,14 +55,13 @@ def _plan(checkpoint: Checkpoint, files: list[tuple[str, list[OutputTensor]]], p
     entries = _entries(checkpoint)
     output_keys = {tensor.key for _, tensors in files for tensor in tensors if tensor.record is not None}
     dropped = set(checkpoint.records) - output_keys
-    plan = _Plan()
-    for name in entries.data_files:
-        items = [(index, info) for items in entries.items.values() for index, info in items]
-        plan.kept[name] = sorted(
-            ((index, info) for index, info in items if info.relative_path == name and index.fqn not in dropped),
-            key=lambda item: item[1].offset,
-        )
-        plan.blobs[name] = []
+    plan = _Plan(kept={name: [] for name in entries.data_files}, blobs={name: [] for name in entries.data_files})
+    for fqn, items in entries.items.items():
+        if fqn not in dropped:
+            for index, info in items:
+                plan.kept[info.relative_path].append((index, info))
+    for items in plan.kept.values():
+        items.sort(key=lambda item: item[1].offset)  # SRC's order: runs of bytes the kernel copies in one go
     for name, tensors in files:
         for tensor in tensors:
             if tensor.tensor is None:
