@@ -8,8 +8,9 @@ key bias is not in DST's files. The metadata is SRC's with the entries, chunks a
 ``dcp.load`` reshards whole chunks to whatever sharding it loads into. The run's provenance goes into
 ``slim_mha.json`` beside them. Memory: the rewritten tensors, and one copy buffer.
 
-Everything is written into a staging folder beside DST and moved into place in one step
-(:mod:`._staging`); with ``verify`` every entry is read back from the staging folder first.
+:mod:`._output` writes it into a staging folder beside DST, with the companion files, and moves it
+into place in one step (:mod:`._staging`); with ``verify`` every entry is read back from the staging
+folder first.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from torch import Tensor
 from slim_mha._torch_compat import dcp_storage_info
 
 from ._dcp import DATA_SUFFIX, METADATA_NAME, PROVENANCE_NAME, DcpEntries, DcpRecord, read_metadata
-from ._destination import COMPANIONS_KEY, OURS_KEY, Companion, companion_record, output_permissions, permissions
+from ._destination import COMPANIONS_KEY, OURS_KEY, companion_record
 from ._inputs import open_input
 from ._records import DTYPE_NAMES, Checkpoint
 from ._run_options import MigrationOptions
-from ._staging import Staging, pause_for_tests, sync_files
+from ._staging import pause_for_tests, sync_files
 from ._writer import OutputTensor, copy_range
 from .report import option, shown
 
-__all__ = ["check_replaceable_dcp", "planned_dcp_sizes", "write_dcp"]
+__all__ = ["check_replaceable_dcp", "planned_dcp_sizes", "write_dcp_files"]
 
 _BUFFER = 1024 * 1024
 
@@ -103,12 +104,11 @@ def _metadata(checkpoint: Checkpoint, plan: _Plan, offsets: dict[str, dict], des
     for (fqn, name, length), offset in offsets["blobs"]:
         tensor = new_blobs[fqn]
         storage[MetadataIndex(fqn, torch.Size([0] * tensor.dim()), 0)] = dcp_storage_info(name, offset, length)
-    storage_meta = source.storage_meta
+    fields = {"state_dict_metadata": described, "planner_data": planner, "storage_data": storage}
+    storage_meta = getattr(source, "storage_meta", None)  # where DST is, for a reader that asks; newer DCP only
     if storage_meta is not None and hasattr(storage_meta, "checkpoint_id"):
-        storage_meta = dataclasses.replace(storage_meta, checkpoint_id=destination)
-    return dataclasses.replace(
-        source, state_dict_metadata=described, planner_data=planner, storage_data=storage, storage_meta=storage_meta
-    )
+        fields["storage_meta"] = dataclasses.replace(storage_meta, checkpoint_id=destination)
+    return dataclasses.replace(source, **fields)
 
 
 def _renamed_path(path, fqn: str, new: str):
@@ -166,58 +166,50 @@ def planned_dcp_sizes(
     return sizes
 
 
-def write_dcp(
+def write_dcp_files(
     checkpoint: Checkpoint,
+    staging: Path,
     destination: Path,
     files: list[tuple[str, list[OutputTensor]]],
     placed_at: dict[str, str],
     provenance: dict[str, str],
-    companions: list[Companion],
+    digests: dict[str, str],
     options: MigrationOptions,
-    *,
-    check: Callable[[], None],
-    copy_companions: Callable[[Path], dict[str, str]],
-) -> tuple[dict[str, int], tuple[str, ...]]:
-    """Write DST (see the module's docstring); returns each written file's size, and notes."""
+    advance: Callable[[int], object],
+) -> dict[str, int]:
+    """Write DST's files (see the module's docstring) into the staging folder; their sizes."""
     plan = _plan(checkpoint, files, placed_at)
     layout = _layout(plan)
     entries = _entries(checkpoint)
-    mode = output_permissions(permissions(checkpoint.source), destination, force=options.force)
-    staging = Staging(destination, directory=True, mode=mode)
     sizes: dict[str, int] = {}
-    with staging:
-        digests = copy_companions(staging.path)
-        buffer = bytearray(_BUFFER)
-        places = {index: offset for (index, _), offset in layout["items"]}
-        blob_places = dict(layout["blobs"])
-        for number, (name, items) in enumerate(plan.kept.items()):
-            if not layout["sizes"][name]:
-                continue  # every entry of this file was dropped or rewritten
-            source = entries.data_files[name]
-            target = os.open(staging.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                for index, info in items:
-                    copy_range(source, info.offset, target, places[index], info.length, buffer)
-                for fqn, _, blob in plan.blobs[name]:
-                    _write_all(target, blob, blob_places[(fqn, name, len(blob))])
-                os.fchmod(target, source.mode)
-            finally:
-                os.close(target)
-            sizes[name] = layout["sizes"][name]
-            if number == 0:
-                pause_for_tests("after-first-shard")
-        metadata = _metadata_bytes(checkpoint, plan, layout, destination)
-        sizes[METADATA_NAME] = _write_file(staging.path / METADATA_NAME, metadata, checkpoint.opened_index.mode)
-        text = _provenance_text(provenance, digests).encode("utf-8")
-        sizes[PROVENANCE_NAME] = _write_file(staging.path / PROVENANCE_NAME, text, 0o644 & mode)
-        sync_files(staging.path, list(sizes))
-        if options.verify:
-            _verify(checkpoint, plan, staging.path, destination)
-        pause_for_tests("before-commit")
-        checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
-        staging.commit(replace=options.force or _is_empty_directory(destination), check=check)
-        pause_for_tests("after-commit")
-    return sizes, tuple(staging.notes)
+    buffer = bytearray(_BUFFER)
+    places = {index: offset for (index, _), offset in layout["items"]}
+    blob_places = dict(layout["blobs"])
+    for number, (name, items) in enumerate(plan.kept.items()):
+        if not layout["sizes"][name]:
+            continue  # every entry of this file was dropped or rewritten
+        source = entries.data_files[name]
+        target = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for index, info in items:
+                copy_range(source, info.offset, target, places[index], info.length, buffer, advance)
+            for fqn, _, blob in plan.blobs[name]:
+                _write_all(target, blob, blob_places[(fqn, name, len(blob))])
+                advance(len(blob))
+            os.fchmod(target, source.mode)
+        finally:
+            os.close(target)
+        sizes[name] = layout["sizes"][name]
+        if number == 0:
+            pause_for_tests("after-first-shard")
+    metadata = _metadata_bytes(checkpoint, plan, layout, destination)
+    sizes[METADATA_NAME] = _write_file(staging / METADATA_NAME, metadata, checkpoint.opened_index.mode)
+    text = _provenance_text(provenance, digests).encode("utf-8")
+    sizes[PROVENANCE_NAME] = _write_file(staging / PROVENANCE_NAME, text, checkpoint.opened_index.mode)
+    sync_files(staging, list(sizes))
+    if options.verify:
+        _verify(checkpoint, plan, staging, destination)
+    return sizes
 
 
 def _write_all(descriptor: int, data: bytes, offset: int) -> None:
@@ -235,10 +227,6 @@ def _write_file(path: Path, data: bytes, mode: int) -> int:
     finally:
         os.close(descriptor)
     return len(data)
-
-
-def _is_empty_directory(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and not os.listdir(path)
 
 
 def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Path) -> None:

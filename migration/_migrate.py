@@ -38,7 +38,7 @@ from ._destination import (
     input_files,
 )
 from ._modules import AttentionGroup, find_attention_modules
-from ._output import output_files, planned_sizes, write_dcp_output, write_output
+from ._output import output_files, planned_sizes, write_output
 from ._plan import MODES, ModulePlan, already_folded, keep_module, migrated_tensors, plan_module
 from ._records import FLOAT_DTYPES, Checkpoint
 from ._run_options import MigrationOptions
@@ -248,12 +248,9 @@ def _write_planned(
         if not destination.parent.resolve().is_dir():
             notes += (f"{shown(destination.parent)} does not exist yet: create it before the real run",)
         return {}, notes, output_bytes, copied
-    if writes_dcp:
-        written, write_notes = write_dcp_output(
-            checkpoint, destination, outputs, placed_at, metadata, copied, options, check=check
-        )
-        return written, write_notes + notes, sum(written.values()), copied
-    written, write_notes = write_output(checkpoint, destination, outputs, metadata, copied, options, check=check)
+    written, write_notes = write_output(
+        checkpoint, destination, outputs, metadata, copied, options, check=check, placed_at=placed_at
+    )
     return written, write_notes + notes, sum(written.values()), copied
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ._dcp_writer import write_dcp
+from ._dcp_writer import write_dcp_files
 from ._destination import (
     COMPANIONS_KEY,
     Companion,
@@ -34,7 +34,7 @@ from ._verify import check_written_file, check_written_text
 from ._writer import OutputTensor, copy_file, planned_size, write_safetensors
 from .report import option, shown
 
-__all__ = ["output_files", "planned_sizes", "write_dcp_output", "write_output"]
+__all__ = ["output_files", "planned_sizes", "write_output"]
 
 _PROGRESS_BYTES = 256 * 1024 * 1024  # a single file this large gets a progress bar too
 
@@ -103,10 +103,12 @@ def write_output(
     options: MigrationOptions,
     *,
     check: Callable[[], None],
+    placed_at: dict[str, str] | None = None,
 ) -> tuple[dict[str, int], tuple[str, ...]]:
     """Write the output into a staging path and move it into place; on any failure, including an
     interruption, the staging path is removed and DST is left as it was. Returns each written file's
-    size on disk (shards and index), and notes for the report."""
+    size on disk (shards and index, or a DCP folder's files), and notes for the report. ``placed_at``:
+    for a DCP folder, the source key each new tensor takes the place of (:mod:`._dcp_writer`)."""
     total = sum(tensor.nbytes for _, tensors in files for tensor in tensors)
     total += sum(companion.size for companion in companions)
     progress = options.progress
@@ -134,7 +136,22 @@ def write_output(
             # Companions first: the record of their digests goes into the files written after them.
             root = Path(os.path.realpath(folder_source))
             digests = _copy_companions(staging.path, destination, companions, root, options, bar)
-            sizes = _write_files(checkpoint, staging.path, destination, files, provenance, digests, mode, options, bar)
+            if checkpoint.kind == "dcp":
+                sizes = write_dcp_files(
+                    checkpoint,
+                    staging.path,
+                    destination,
+                    files,
+                    placed_at or {},
+                    provenance,
+                    digests,
+                    options,
+                    bar.update,
+                )
+            else:
+                sizes = _write_files(
+                    checkpoint, staging.path, destination, files, provenance, digests, mode, options, bar
+                )
             pause_for_tests("before-commit")
             checkpoint.check_unchanged()  # after the last read of SRC (verify's included): one version of each
             staging.commit(replace=options.force or _is_empty_directory(destination), check=check)
@@ -146,40 +163,6 @@ def write_output(
         raise _write_error(exc, destination, staging) from None
     finally:
         bar.close()
-
-
-def write_dcp_output(
-    checkpoint: Checkpoint,
-    destination: Path,
-    files: list[tuple[str, list[OutputTensor]]],
-    placed_at: dict[str, str],
-    provenance: dict[str, str],
-    companions: list[Companion],
-    options: MigrationOptions,
-    *,
-    check: Callable[[], None],
-) -> tuple[dict[str, int], tuple[str, ...]]:
-    """:func:`._dcp_writer.write_dcp`, with the companion files copied as for the other formats."""
-    root = Path(os.path.realpath(checkpoint.source))
-    with tqdm(total=sum(c.size for c in companions), unit="B", unit_scale=True, disable=True) as bar:
-        try:
-            return write_dcp(
-                checkpoint,
-                destination,
-                files,
-                placed_at,
-                provenance,
-                companions,
-                options,
-                check=check,
-                copy_companions=lambda staging: _copy_companions(staging, destination, companions, root, options, bar),
-            )
-        except OSError as exc:
-            if isinstance(exc, FileExistsError) or exc.filename is None and exc.errno is None:
-                raise
-            raise OSError(
-                f"{shown(destination)}: cannot write the output ({exc.strerror or exc}); nothing was written"
-            ) from None
 
 
 def _copy_companions(

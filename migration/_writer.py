@@ -222,16 +222,18 @@ def _write_at(descriptor: int, data, offset: int) -> None:
 
 
 def copy_range(
-    source: OpenedFile, source_offset: int, target: int, target_offset: int, length: int, buffer: bytearray
+    source: OpenedFile,
+    source_offset: int,
+    target: int,
+    target_offset: int,
+    length: int,
+    buffer: bytearray,
+    advance: Callable[[int], object],
 ) -> None:
     """Copy ``length`` bytes of the opened input ``source`` into the file open as ``target``."""
     _copy_range(
-        source.descriptor, source_offset, target, target_offset, length, buffer, _no_progress, source_path=source.path
+        source.descriptor, source_offset, target, target_offset, length, buffer, advance, source_path=source.path
     )
-
-
-def _no_progress(count: int) -> None:
-    pass
 
 
 def _copy_range(
