@@ -95,3 +95,23 @@ def test_compile_times_both_compiled_and_counts_their_graph_breaks(tmp_path, cap
         assert breaks["slim"]["count"] <= breaks["stock"]["count"], breaks  # slim adds no graph break
     out = capsys.readouterr().out
     assert "timed under torch.compile(backend='eager'); graph breaks:" in out
+
+
+@pytest.mark.parametrize(
+    "factory, length, padding, expected",
+    [
+        ("transformer_encoder", 8, False, "stock fused layer"),
+        ("transformer_encoder", 400, False, "slim layer"),
+        ("transformer_encoder", 400, True, "slim layer"),
+        ("transformer_encoder_unnested", 8, True, "unfused layer"),
+    ],
+)
+def test_the_encoder_benchmark_records_which_layer_ran(tmp_path, factory, length, padding, expected):
+    """``bench model`` on the encoder preset: both sides agree, and the census names the layer's path."""
+    path = tmp_path / "encoder.json"
+    inputs = ["--input-fn", "slim_mha.bench.models:padded_tokens"] if padding else []
+    argv = ["model", f"slim_mha.bench.models:{factory}", *inputs, "--input", f"4x{length}x256", "--mode", "inference"]
+    assert bench.main([*argv, "--repeats", "1", "--warmup", "0", "--min-sample-ms", "0", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    layers = {row["path"] for row in result["paths"]["slim"]["eval"] if row["kind"] == "encoder layer"}
+    assert layers == {expected} and result["agrees"] and "train" not in result

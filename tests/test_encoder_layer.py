@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import warnings
 
 import pytest
@@ -221,25 +220,3 @@ def test_compile_and_export_match_stock(mask, slim_always):
         torch.testing.assert_close(compiled(x, **masks), expected)
         exported = torch.export.export(slim, (x,), kwargs=masks)
         torch.testing.assert_close(exported.module()(x, **masks), expected)
-
-
-@pytest.mark.parametrize(
-    "factory, length, padding, expected",
-    [
-        ("transformer_encoder", 8, False, "stock fused layer"),
-        ("transformer_encoder", 400, False, "slim layer"),
-        ("transformer_encoder", 400, True, "slim layer"),
-        ("transformer_encoder_unnested", 8, True, "unfused layer"),
-    ],
-)
-def test_the_encoder_benchmark_records_which_layer_ran(tmp_path, factory, length, padding, expected):
-    """``bench model`` on the encoder preset: both sides agree, and the census names the layer's path."""
-    from slim_mha.bench import __main__ as bench
-
-    path = tmp_path / "encoder.json"
-    inputs = ["--input-fn", "slim_mha.bench.models:padded_tokens"] if padding else []
-    argv = ["model", f"slim_mha.bench.models:{factory}", *inputs, "--input", f"4x{length}x256", "--mode", "inference"]
-    assert bench.main([*argv, "--repeats", "1", "--warmup", "0", "--min-sample-ms", "0", "--json", str(path)]) == 0
-    result = json.loads(path.read_text())
-    layers = {row["path"] for row in result["paths"]["slim"]["eval"] if row["kind"] == "encoder layer"}
-    assert layers == {expected} and result["agrees"] and "train" not in result
