@@ -192,18 +192,20 @@ def shard_model(model: Model, fully_shard, mesh) -> Model:
     return model
 
 
-DCP_MODES = ("strip", "fold")
+DCP_MODES = ("strip", "fold", "to-stock")  # to-stock: of strip's output
+DCP_MODELS = ("stock", "slim")
 ZERO_ATTN = ("model.attention",)  # the add_zero_attn module, which a stock layout cannot record
 
 
 def migrate_dcp_and_load_back(rank: int, model: Model, out_dir: Path, shard) -> None:
     """The sharded state dict saved with DCP (each rank its shards); rank 0 migrates the folder in each
-    mode, in one process; every rank loads each output into a fresh sharded model (the stripped one
-    through StrippedLoadPlanner), whose gathered state dict rank 0 saves for the parent test."""
+    mode, in one process; every rank loads each output into a fresh sharded stock model and a slim one
+    (a stripped folder through StrippedLoadPlanner), whose gathered state dicts rank 0 saves for the
+    parent test."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from slim_mha.migration import StrippedLoadPlanner, fold_checkpoint, strip_checkpoint
+    from slim_mha.migration import StrippedLoadPlanner, fold_checkpoint, strip_checkpoint, to_stock_checkpoint
     from slim_mha.migration._torch_pickles import torch_reads_pickles_safely
 
     if not torch_reads_pickles_safely():  # the migration refuses DCP's pickled chunks there (its own test)
@@ -214,19 +216,24 @@ def migrate_dcp_and_load_back(rank: int, model: Model, out_dir: Path, shard) -> 
     if rank == 0:
         strip_checkpoint(source, out_dir / "fsdp2-dcp-strip", zero_attn=ZERO_ATTN, keep_inexact=True, verify=True)
         fold_checkpoint(source, out_dir / "fsdp2-dcp-fold", zero_attn=ZERO_ATTN, verify=True)
+        to_stock_checkpoint(
+            out_dir / "fsdp2-dcp-strip", out_dir / "fsdp2-dcp-to-stock", zero_attn=ZERO_ATTN, verify=True
+        )
     dist.barrier()
     for mode in DCP_MODES:
-        fresh = shard(build_model())
-        with torch.no_grad():
-            for parameter in fresh.parameters():
-                parameter.fill_(7.0)  # nothing of it may survive the load, the key slot included
-        state = {"model": get_model_state_dict(fresh)}
-        planner = StrippedLoadPlanner() if mode == "strip" else None
-        dcp.load(state, checkpoint_id=out_dir / f"fsdp2-dcp-{mode}", **({"planner": planner} if planner else {}))
-        full = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
-        if rank == 0:
-            loaded = {name: tensor.detach().clone() for name, tensor in full.items()}
-            torch.save(loaded, out_dir / f"fsdp2-dcp-{mode}.pt")
+        for kind in DCP_MODELS:
+            torch.manual_seed(0)
+            fresh = shard(build_model() if kind == "slim" else Model())
+            with torch.no_grad():
+                for parameter in fresh.parameters():
+                    parameter.fill_(7.0)  # nothing of it may survive the load, the key slot included
+            state = {"model": get_model_state_dict(fresh)}
+            options = {"planner": StrippedLoadPlanner()} if mode == "strip" else {}
+            dcp.load(state, checkpoint_id=out_dir / f"fsdp2-dcp-{mode}", **options)
+            full = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
+            if rank == 0:
+                loaded = {name: tensor.detach().clone() for name, tensor in full.items()}
+                torch.save(loaded, out_dir / f"fsdp2-dcp-{mode}-{kind}.pt")
     dist.barrier()
 
 

@@ -95,18 +95,19 @@ def test_fsdp2_trains_a_patched_model_in_sync(trained):
     load_back(trained / "fsdp2.pt")
 
 
+@pytest.mark.parametrize("kind", worker.DCP_MODELS)
 @pytest.mark.parametrize("mode", worker.DCP_MODES)
-def test_fsdp2_dcp_folders_migrate_and_load_back_exact(trained, mode):
-    """FSDP2's sharded DCP folder, migrated in one process, loads into FSDP2 as the in-memory migration
-    of the gathered state dict: strip through StrippedLoadPlanner (its add_bias_kv module kept, as
-    strip cannot drop that key bias), fold as it is."""
-    loaded_file = trained / f"fsdp2-dcp-{mode}.pt"
+def test_fsdp2_dcp_folders_migrate_and_load_back_exact(trained, mode, kind):
+    """FSDP2's sharded DCP folder, migrated in one process, loads into a sharded stock model and a slim
+    one as the in-memory migration of the gathered state dict: strip through StrippedLoadPlanner (its
+    add_bias_kv module kept, as strip cannot drop that key bias), fold and to-stock as they are."""
+    loaded_file = trained / f"fsdp2-dcp-{mode}-{kind}.pt"
     if (trained / "fsdp2-unsupported.txt").exists() or not loaded_file.exists():
         pytest.skip("no FSDP2 here, or DCP's pickled chunks are refused by this torch (tests/test_migration_dcp.py)")
     saved = torch.load(trained / "fsdp2.pt")
     original, probe_output = saved["state_dict"], saved["probe_output"]
     expected = fold_state_dict(original, zero_attn=["attention"])
-    if mode == "strip":  # the kept module is written as it was
+    if mode != "fold":  # strip kept the add_bias_kv module as it was, and to-stock read strip's output
         expected.update({name: tensor for name, tensor in original.items() if name.startswith("attention.")})
     loaded = torch.load(loaded_file)
     assert set(loaded) == set(expected)
