@@ -46,9 +46,14 @@ SRC, which is read and never modified, is one of:
     (older weights-only unpicklers can be made to run code), else save the weights as safetensors;
   - a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json or any
     other *.index.json), whose shards, .safetensors or torch files as above, sit beside it;
-  - a folder holding one of those two indexes, or exactly one weight file under any name.
+  - a folder holding one of those two indexes, or exactly one weight file under any name;
+  - a torch.distributed.checkpoint (DCP) folder (.metadata and *.distcp files, as dcp.save writes it
+    under FSDP2 or in one process), read in one process; its chunks are torch pickles, as above.
 
-DST is always safetensors: a .safetensors file for a file SRC. For an index or a folder, DST is a
+For a DCP folder, DST is a DCP folder that dcp.load reads (a stripped one with
+slim_mha.migration.StrippedLoadPlanner), every entry the run leaves alone copied byte for byte;
+--to safetensors writes safetensors shards and an index instead. For any other SRC, DST is
+safetensors: a .safetensors file for a file SRC. For an index or a folder, DST is a
 folder: each shard is written as .safetensors under its Hugging Face name (pytorch_model.bin becomes
 model.safetensors, pytorch_model-00001-of-00002.bin model-00001-of-00002.safetensors, and
 pytorch_model.bin.index.json model.safetensors.index.json), and the other files of SRC's folder
@@ -89,7 +94,8 @@ key-bias-free (strip) input is turned back into stock's layout.""",
 examples:
   {prog} fold model.safetensors model.folded.safetensors --verify
   {prog} fold ckpt/model.safetensors.index.json ckpt-folded/ --zero-attn 'decoder.layers.*.self_attn'
-  {prog} fold model.safetensors model.eval.safetensors --fold-value-bias""",
+  {prog} fold model.safetensors model.eval.safetensors --fold-value-bias
+  {prog} fold fsdp-checkpoint/ fsdp-checkpoint.folded/ --verify   # a DCP folder, for dcp.load""",
     ),
     "to-stock": (
         "convert slim modules back to the stock layout (loads into nn.MultiheadAttention, strict=True)",
