@@ -307,3 +307,47 @@ def test_a_run_killed_while_writing_leaves_no_dst_and_the_next_run_cleans_up(sav
     report = fold_checkpoint(source, out, verify=True)
     assert out.is_dir() and [name for name in os.listdir(tmp_path) if name.startswith(".out")] == []
     assert any("removed" in note for note in report.notes)
+
+
+def test_training_resumes_from_a_stripped_folder_with_optimizer_state(tmp_path):
+    """FSDP2's usual save: the model and Adam's state (``get_state_dict``). Strip renames the model's
+    biases; Adam's moments stay under the parameter's own name, which slim keeps: a resumed step is the
+    step the uninterrupted run takes, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def trained(seed: int):
+        model = build(patched=True, seed=seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, optimizer
+
+    def step(model, optimizer, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        x, memory = torch.randn(2, 5, 16, generator=generator), torch.randn(4, 2, 16, generator=generator)
+        optimizer.zero_grad()
+        model(x, memory).pow(2).mean().backward()
+        optimizer.step()
+
+    model, optimizer = trained(0)
+    for seed in range(2):
+        step(model, optimizer, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=tmp_path / "ckpt")
+        strip_checkpoint(tmp_path / "ckpt", tmp_path / "stripped", verify=True)
+        resumed, resumed_optimizer = trained(5)
+        model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+        dcp.load(state, checkpoint_id=tmp_path / "stripped", planner=StrippedLoadPlanner())
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for pair in ((model, optimizer), (resumed, resumed_optimizer)):
+        step(*pair, seed=7)
+    expected, actual = model.state_dict(), resumed.state_dict()
+    for key, tensor in expected.items():
+        if key.endswith("in_proj_bias"):  # the key slot: b_k in the uninterrupted run, zero once stripped
+            keep = torch.ones_like(tensor, dtype=torch.bool)
+            keep[tensor.shape[0] // 3 : 2 * tensor.shape[0] // 3] = False
+            tensor, other = tensor[keep], actual[key][keep]
+        else:
+            other = actual[key]
+        assert torch.equal(other, tensor), key
