@@ -157,7 +157,7 @@ def planned_dcp_sizes(
     digests: dict[str, str],
     destination: Path,
 ) -> dict[str, int]:
-    """Each file DST will hold and its size, as :func:`write_dcp` writes them."""
+    """Each file DST will hold and its size, as :func:`write_dcp_files` writes them."""
     plan = _plan(checkpoint, files, placed_at)
     layout = _layout(plan)
     sizes = {name: size for name, size in layout["sizes"].items() if size}
@@ -192,7 +192,16 @@ def write_dcp_files(
         target = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             for index, info in items:
-                copy_range(source, info.offset, target, places[index], info.length, buffer, advance)
+                copy_range(
+                    source.descriptor,
+                    info.offset,
+                    target,
+                    places[index],
+                    info.length,
+                    buffer,
+                    advance,
+                    source_path=source.path,
+                )
             for fqn, _, blob in plan.blobs[name]:
                 _write_all(target, blob, blob_places[(fqn, name, len(blob))])
                 advance(len(blob))

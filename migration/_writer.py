@@ -95,7 +95,7 @@ def write_safetensors(
                 continue
             if run.source is None:  # _runs gives every run its bytes or its source
                 raise RuntimeError(f"{shown_as or path}: a tensor's bytes have no source")
-            _copy_range(
+            copy_range(
                 run.source.descriptor,
                 run.source_offset,
                 target,
@@ -222,21 +222,6 @@ def _write_at(descriptor: int, data, offset: int) -> None:
 
 
 def copy_range(
-    source: OpenedFile,
-    source_offset: int,
-    target: int,
-    target_offset: int,
-    length: int,
-    buffer: bytearray,
-    advance: Callable[[int], object],
-) -> None:
-    """Copy ``length`` bytes of the opened input ``source`` into the file open as ``target``."""
-    _copy_range(
-        source.descriptor, source_offset, target, target_offset, length, buffer, advance, source_path=source.path
-    )
-
-
-def _copy_range(
     source: int,
     source_offset: int,
     target: int,

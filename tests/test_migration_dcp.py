@@ -272,7 +272,9 @@ def test_verify_fails_on_a_wrong_copy_and_nothing_is_written(saved, tmp_path, mo
 
     source, _ = saved
     copy = _dcp_writer.copy_range
-    monkeypatch.setattr(_dcp_writer, "copy_range", lambda src, offset, *rest: copy(src, offset + (offset == 0), *rest))
+    monkeypatch.setattr(
+        _dcp_writer, "copy_range", lambda src, offset, *rest, **named: copy(src, offset + (offset == 0), *rest, **named)
+    )
     with pytest.raises(RuntimeError, match="differs from SRC's bytes; nothing was written"):
         fold_checkpoint(source, tmp_path / "out", verify=True)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
