@@ -142,8 +142,19 @@ def open_dcp(source: Path, opened_metadata: OpenedFile, open_data) -> tuple[Chec
     """SRC's records (one shard per data file, each tensor in the file of its first chunk) and entries.
 
     ``open_data(path, listed)`` opens a data file the metadata names (raising if it is missing or not
-    SRC's). Raises ``ValueError`` for metadata that refers to data that is not there.
+    SRC's). Raises ``ValueError`` for metadata that refers to data that is not there, or that is not
+    put together as DCP puts it (a record of one class where another belongs).
     """
+    try:
+        return _open_dcp(source, opened_metadata, open_data)
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(
+            f"{shown(opened_metadata.path)}: is not put together as DCP writes its metadata ({shown(one_line(exc))}); "
+            "pass a folder that dcp.save wrote"
+        ) from None
+
+
+def _open_dcp(source: Path, opened_metadata: OpenedFile, open_data) -> tuple[Checkpoint, DcpEntries]:
     metadata_path = opened_metadata.path
     if not torch_reads_pickles_safely():
         raise ValueError(
@@ -152,11 +163,15 @@ def open_dcp(source: Path, opened_metadata: OpenedFile, open_data) -> tuple[Chec
         )
     metadata = read_metadata(opened_metadata)
     storage = metadata.storage_data
-    if not isinstance(storage, dict) or metadata.storage_data is None:
+    if not isinstance(storage, dict):
         raise ValueError(f"{shown(metadata_path)}: has no storage records; not a folder FileSystemWriter wrote")
     entries = DcpEntries(metadata, {})
     for index, info in storage.items():
         relative = getattr(info, "relative_path", None)
+        if not isinstance(index.fqn, str) or not isinstance(info.offset, int) or not isinstance(info.length, int):
+            raise TypeError(
+                f"an entry's index or byte range is not DCP's: {type(index).__name__}, {type(info).__name__}"
+            )
         if not isinstance(relative, str) or Path(relative).name != relative or not relative.endswith(DATA_SUFFIX):
             raise ValueError(
                 f"{shown(metadata_path)}: names the data file {shown(repr(relative))}, not one in the folder"

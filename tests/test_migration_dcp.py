@@ -353,3 +353,16 @@ def test_training_resumes_from_a_stripped_folder_with_optimizer_state(tmp_path):
         else:
             other = actual[key]
         assert torch.equal(other, tensor), key
+
+
+def test_metadata_of_dcp_classes_put_together_wrongly_gets_one_line(saved, tmp_path, capsys):
+    """Only DCP's classes unpickle, but a crafted file can still put one where another belongs."""
+    source, _ = saved
+    broken = _copy(source, tmp_path / "broken")
+    with open(broken / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    metadata.storage_data = {"model.cross.q_proj_weight": next(iter(metadata.state_dict_metadata.values()))}
+    (broken / ".metadata").write_bytes(pickle.dumps(metadata))
+    code, _, err = run_cli(["inspect", broken], capsys)
+    assert code == 1 and "is not put together as DCP writes its metadata" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
