@@ -221,19 +221,8 @@ def _open_safetensors(opened: OpenedFile, name: str) -> Shard:
 def _read_header(opened: OpenedFile) -> tuple[dict, int]:
     """The JSON header and the offset where tensor data starts (the file was validated by safe_open)."""
     length = int.from_bytes(opened.read_at(8, 0), "little")
-    header = json.loads(_read_all(opened, length, 8))
+    header = json.loads(opened.read_all(length, 8))
     return header, 8 + length
-
-
-def _read_all(opened: OpenedFile, length: int, offset: int = 0) -> bytes:
-    chunks, done = [], 0
-    while done < length:
-        chunk = opened.read_at(length - done, offset + done)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        done += len(chunk)
-    return b"".join(chunks)
 
 
 def _open_sharded(source: Path, opened_index: OpenedFile, root: Path, opener: _Opener) -> Checkpoint:
@@ -289,7 +278,7 @@ def _read_index(opened_index: OpenedFile) -> tuple[dict, dict[str, str]]:
     """The index's JSON and its ``weight_map`` (tensor name -> shard file), each checked."""
     index_path = opened_index.path
     try:
-        index = json.loads(_read_all(opened_index, opened_index.size).decode("utf-8"))
+        index = json.loads(opened_index.read_all(opened_index.size).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{shown(index_path)}: not a valid index ({exc.msg} at line {exc.lineno}); "

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._inputs import OpenedFile
-from ._records import DTYPE_NAMES, Checkpoint, Shard, TensorRecord, one_line
+from ._records import DTYPE_NAMES, STORED_DTYPES, Checkpoint, Shard, TensorRecord, one_line
 from ._torch_pickles import SAFE_PICKLE_TORCH, torch_reads_pickles_safely
 from .report import shown
 
@@ -78,7 +78,7 @@ def read_metadata(opened: OpenedFile):
     if opened.size > _MAX_METADATA_BYTES:
         raise ValueError(f"{shown(opened.path)}: {opened.size} bytes is far more than DCP metadata takes")
     try:
-        data = _read_range(opened, 0, opened.size)
+        data = opened.read_all(opened.size)
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(
@@ -101,7 +101,7 @@ class DcpRecord(TensorRecord):
     def read(self) -> Tensor:
         """The whole tensor, assembled from its chunks (each ``torch.load``-ed from its byte range); a
         tensor saved whole is its one chunk, not a copy of it."""
-        dtype = _dtype(self.dtype)
+        dtype = STORED_DTYPES[self.dtype]
         tensor = None if len(self.chunks) == 1 else torch.empty(self.shape, dtype=dtype)
         for offsets, sizes, storage in self.chunks:
             chunk = self.read_chunk(storage)
@@ -230,7 +230,7 @@ def provenance(opened: OpenedFile | None) -> dict[str, str]:
     if opened is None:
         return {}
     try:
-        recorded = json.loads(_read_range(opened, 0, min(opened.size, 1 << 20)))
+        recorded = json.loads(opened.read_all(min(opened.size, 1 << 20)))
     except (ValueError, RecursionError):
         return {}
     return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
@@ -259,10 +259,6 @@ def _record(fqn: str, described, entries: DcpEntries, shards: dict[str, Shard], 
     home = shards[chunks[0][2].relative_path] if chunks else next(iter(shards.values()))
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     return DcpRecord(fqn, DTYPE_NAMES[dtype], shape, nbytes, home, chunks=chunks, data_files=entries.data_files)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return next(dtype for dtype, stored in DTYPE_NAMES.items() if stored == name)
 
 
 class _Range(io.RawIOBase):
@@ -294,14 +290,3 @@ class _Range(io.RawIOBase):
         read = os.preadv(self._opened.descriptor, [memoryview(buffer)[:count]], self._start + self._position)
         self._position += read
         return read
-
-
-def _read_range(opened: OpenedFile, offset: int, length: int) -> bytearray:
-    data = bytearray(length)
-    view, filled = memoryview(data), 0
-    while filled < length:
-        count = os.preadv(opened.descriptor, [view[filled:]], offset + filled)
-        if not count:
-            raise ValueError(f"{shown(opened.path)}: ends {length - filled} bytes early; it changed while being read")
-        filled += count
-    return data

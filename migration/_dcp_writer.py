@@ -35,7 +35,7 @@ from ._inputs import open_input
 from ._records import DTYPE_NAMES, Checkpoint
 from ._run_options import MigrationOptions
 from ._staging import pause_for_tests, sync_files
-from ._writer import OutputTensor, copy_range
+from ._writer import OutputTensor, copy_range, write_at
 from .report import option, shown
 
 __all__ = ["check_replaceable_dcp", "planned_dcp_sizes", "write_dcp_files"]
@@ -101,7 +101,7 @@ def _metadata(checkpoint: Checkpoint, plan: _Plan, offsets: dict[str, dict], des
                 planner[fqn] = planner_data[fqn]
     for (index, info), offset in offsets["items"]:
         storage[index] = type(info)(info.relative_path, offset, info.length)
-    for (fqn, name, length), offset in offsets["blobs"]:
+    for fqn, (name, offset, length) in offsets["blobs"].items():
         tensor = new_blobs[fqn]
         storage[MetadataIndex(fqn, torch.Size([0] * tensor.dim()), 0)] = dcp_storage_info(name, offset, length)
     fields = {"state_dict_metadata": described, "planner_data": planner, "storage_data": storage}
@@ -124,7 +124,7 @@ def _renamed_path(path, fqn: str, new: str):
 
 def _layout(plan: _Plan) -> dict:
     """Where every kept item and new blob lands in DST's files, and each file's size."""
-    layout: dict = {"items": [], "blobs": [], "sizes": {}, "kept": set()}
+    layout: dict = {"items": [], "blobs": {}, "sizes": {}, "kept": set()}  # blobs: fqn -> (file, offset, length)
     for name, items in plan.kept.items():
         offset = 0
         for index, info in items:
@@ -132,14 +132,10 @@ def _layout(plan: _Plan) -> dict:
             layout["kept"].add(index.fqn)
             offset += info.length
         for fqn, _, blob in plan.blobs[name]:
-            layout["blobs"].append(((fqn, name, len(blob)), offset))
+            layout["blobs"][fqn] = (name, offset, len(blob))
             offset += len(blob)
         layout["sizes"][name] = offset
     return layout
-
-
-def _metadata_bytes(checkpoint: Checkpoint, plan: _Plan, layout: dict, destination: Path) -> bytes:
-    return pickle.dumps(_metadata(checkpoint, plan, layout, destination))
 
 
 def _provenance_text(provenance: dict[str, str], digests: dict[str, str]) -> str:
@@ -161,7 +157,7 @@ def planned_dcp_sizes(
     plan = _plan(checkpoint, files, placed_at)
     layout = _layout(plan)
     sizes = {name: size for name, size in layout["sizes"].items() if size}
-    sizes[METADATA_NAME] = len(_metadata_bytes(checkpoint, plan, layout, destination))
+    sizes[METADATA_NAME] = len(pickle.dumps(_metadata(checkpoint, plan, layout, destination)))
     sizes[PROVENANCE_NAME] = len(_provenance_text(provenance, digests).encode("utf-8"))
     return sizes
 
@@ -184,7 +180,6 @@ def write_dcp_files(
     sizes: dict[str, int] = {}
     buffer = bytearray(_BUFFER)
     places = {index: offset for (index, _), offset in layout["items"]}
-    blob_places = dict(layout["blobs"])
     for number, (name, items) in enumerate(plan.kept.items()):
         if not layout["sizes"][name]:
             continue  # every entry of this file was dropped or rewritten
@@ -203,7 +198,7 @@ def write_dcp_files(
                     source_path=source.path,
                 )
             for fqn, _, blob in plan.blobs[name]:
-                _write_all(target, blob, blob_places[(fqn, name, len(blob))])
+                write_at(target, blob, layout["blobs"][fqn][1])
                 advance(len(blob))
             os.fchmod(target, source.mode)
         finally:
@@ -211,34 +206,27 @@ def write_dcp_files(
         sizes[name] = layout["sizes"][name]
         if number == 0:
             pause_for_tests("after-first-shard")
-    metadata = _metadata_bytes(checkpoint, plan, layout, destination)
-    sizes[METADATA_NAME] = _write_file(staging / METADATA_NAME, metadata, checkpoint.opened_index.mode)
+    metadata = _metadata(checkpoint, plan, layout, destination)
+    sizes[METADATA_NAME] = _write_file(staging / METADATA_NAME, pickle.dumps(metadata), checkpoint.opened_index.mode)
     text = _provenance_text(provenance, digests).encode("utf-8")
     sizes[PROVENANCE_NAME] = _write_file(staging / PROVENANCE_NAME, text, checkpoint.opened_index.mode)
     sync_files(staging, list(sizes))
     if options.verify:
-        _verify(checkpoint, plan, staging, destination)
+        _verify(checkpoint, plan, set(metadata.state_dict_metadata), staging, destination)
     return sizes
-
-
-def _write_all(descriptor: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(descriptor, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> int:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        _write_all(descriptor, data, 0)
+        write_at(descriptor, data, 0)
         os.fchmod(descriptor, mode)
     finally:
         os.close(descriptor)
     return len(data)
 
 
-def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Path) -> None:
+def _verify(checkpoint: Checkpoint, plan: _Plan, entries_planned: set[str], staging: Path, destination: Path) -> None:
     """Read DST back from the staging folder and compare it with what was planned: its metadata as DCP
     reads it, every copied entry's bytes with SRC's (block by block), every new tensor with its value."""
 
@@ -252,19 +240,23 @@ def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Pat
     opened = {name: open_input(staging / name, None) for name in names}
     try:
         written = read_metadata(opened[METADATA_NAME])
-        if set(written.state_dict_metadata) != set(
-            _metadata(checkpoint, plan, _layout(plan), destination).state_dict_metadata
-        ):
+        if set(written.state_dict_metadata) != entries_planned:
             raise fail("its entries differ from those planned")
         sources = {(index.fqn, _offsets(index)): info for items in entries.items.values() for index, info in items}
         new = {fqn: tensor for blobs in plan.blobs.values() for fqn, tensor, _ in blobs}
         buffers = bytearray(_BUFFER), bytearray(_BUFFER)
         for index, info in written.storage_data.items():
             if index.fqn in new:
+                tensor = new[index.fqn]
                 record = DcpRecord(
-                    index.fqn, DTYPE_NAMES[new[index.fqn].dtype], tuple(new[index.fqn].shape), 0, checkpoint.shards[0]
+                    index.fqn,
+                    DTYPE_NAMES[tensor.dtype],
+                    tuple(tensor.shape),
+                    0,
+                    checkpoint.shards[0],
+                    data_files=opened,
                 )
-                if not torch.equal(_load_chunk(record, opened, info), new[index.fqn]):
+                if not torch.equal(record.read_chunk(info), tensor):
                     raise fail(f"'{shown(index.fqn)}' differs from its conversion")
             elif not _same_bytes(
                 opened[info.relative_path], info, entries.data_files, sources[(index.fqn, _offsets(index))], buffers
@@ -273,11 +265,6 @@ def _verify(checkpoint: Checkpoint, plan: _Plan, staging: Path, destination: Pat
     finally:
         for file in opened.values():
             file.close()
-
-
-def _load_chunk(record: DcpRecord, opened: dict, info) -> Tensor:
-    record.data_files = opened
-    return record.read_chunk(info)
 
 
 def _offsets(index) -> tuple | None:

@@ -68,6 +68,17 @@ class OpenedFile:
     def read_at(self, length: int, offset: int) -> bytes:
         return os.pread(self.descriptor, length, offset)
 
+    def read_all(self, length: int, offset: int = 0) -> bytes:
+        """``length`` bytes from ``offset``, or fewer where the file ends first (the parser says what is wrong)."""
+        chunks, done = [], 0
+        while done < length:
+            chunk = self.read_at(length - done, offset + done)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            done += len(chunk)
+        return b"".join(chunks)
+
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` naming the file if it was written to since it was opened, or if its
         path now names another file (replaced by a rename, or a link swapped in)."""

@@ -86,11 +86,11 @@ def write_safetensors(
     buffer = bytearray(_BUFFER)
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_at(target, len(blob).to_bytes(8, "little") + blob, 0)
+        write_at(target, len(blob).to_bytes(8, "little") + blob, 0)
         for run in _runs(ordered, offsets):
             destination = data_start + run.offset
             if run.data is not None:
-                _write_at(target, run.data, destination)
+                write_at(target, run.data, destination)
                 advance(run.length)
                 continue
             if run.source is None:  # _runs gives every run its bytes or its source
@@ -154,7 +154,7 @@ def _copy_hashing(source: int, target: int, length: int, advance: Callable[[int]
                 "rerun when nothing writes it"
             )
         digest.update(block)
-        _write_at(target, block, offset)
+        write_at(target, block, offset)
         offset += len(block)
         advance(len(block))
     return digest.hexdigest()
@@ -214,7 +214,7 @@ def _data_start(minimum: int, ordered: list[OutputTensor], offsets: list[int]) -
     return aligned + padding if padding * _PADDING_RATIO <= by_shift[best] else aligned
 
 
-def _write_at(descriptor: int, data, offset: int) -> None:
+def write_at(descriptor: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(descriptor, view, offset)
@@ -260,7 +260,7 @@ def copy_range(
 def _copy_through(source: int, source_offset: int, target: int, target_offset: int, length: int, buffer) -> int:
     view = memoryview(buffer)[:length]
     read = os.preadv(source, [view], source_offset)
-    _write_at(target, view[:read], target_offset)
+    write_at(target, view[:read], target_offset)
     return read  # 0 at an early end of file: the caller names the file
 
 
@@ -278,4 +278,4 @@ def _check_written(path: Path, ordered: list[OutputTensor], shown_as: Path) -> N
     assert keys == {tensor.key for tensor in ordered}, f"{shown(shown_as)}: written keys differ from the plan"
 
 
-__all__ = ["OutputTensor", "copy_file", "copy_range", "planned_size", "write_safetensors"]
+__all__ = ["OutputTensor", "copy_file", "copy_range", "planned_size", "write_at", "write_safetensors"]
