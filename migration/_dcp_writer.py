@@ -29,8 +29,8 @@ from torch import Tensor
 
 from slim_mha._torch_compat import dcp_storage_info
 
-from ._dcp import DATA_SUFFIX, METADATA_NAME, PROVENANCE_NAME, DcpEntries, DcpRecord, read_metadata
-from ._destination import COMPANIONS_KEY, OURS_KEY, companion_record
+from ._dcp import METADATA_NAME, PROVENANCE_NAME, DcpEntries, DcpRecord, read_metadata
+from ._destination import COMPANIONS_KEY, OURS_KEY, companion_record, file_digest
 from ._inputs import open_input
 from ._records import DTYPE_NAMES, Checkpoint
 from ._run_options import MigrationOptions
@@ -41,6 +41,7 @@ from .report import option, shown
 __all__ = ["check_replaceable_dcp", "planned_dcp_sizes", "write_dcp_files"]
 
 _BUFFER = 1024 * 1024
+DATA_FILES_KEY = "slim_mha.data_files"  # slim_mha.json: the data files this tool wrote into the folder
 
 
 @dataclasses.dataclass
@@ -138,10 +139,13 @@ def _layout(plan: _Plan) -> dict:
     return layout
 
 
-def _provenance_text(provenance: dict[str, str], digests: dict[str, str]) -> str:
+def _provenance_text(provenance: dict[str, str], digests: dict[str, str], layout: dict) -> str:
+    """``slim_mha.json``: the run's provenance, the companions' digests, and the data files it writes:
+    what a later ``--force`` run may replace (:func:`check_replaceable_dcp`)."""
     recorded = dict(provenance)
     if digests:
         recorded[COMPANIONS_KEY] = companion_record(digests)
+    recorded[DATA_FILES_KEY] = json.dumps(sorted(name for name, size in layout["sizes"].items() if size))
     return json.dumps(recorded, indent=2, sort_keys=True) + "\n"
 
 
@@ -158,7 +162,7 @@ def planned_dcp_sizes(
     layout = _layout(plan)
     sizes = {name: size for name, size in layout["sizes"].items() if size}
     sizes[METADATA_NAME] = len(pickle.dumps(_metadata(checkpoint, plan, layout, destination)))
-    sizes[PROVENANCE_NAME] = len(_provenance_text(provenance, digests).encode("utf-8"))
+    sizes[PROVENANCE_NAME] = len(_provenance_text(provenance, digests, layout).encode("utf-8"))
     return sizes
 
 
@@ -208,7 +212,7 @@ def write_dcp_files(
             pause_for_tests("after-first-shard")
     metadata = _metadata(checkpoint, plan, layout, destination)
     sizes[METADATA_NAME] = _write_file(staging / METADATA_NAME, pickle.dumps(metadata), checkpoint.opened_index.mode)
-    text = _provenance_text(provenance, digests).encode("utf-8")
+    text = _provenance_text(provenance, digests, layout).encode("utf-8")
     sizes[PROVENANCE_NAME] = _write_file(staging / PROVENANCE_NAME, text, checkpoint.opened_index.mode)
     sync_files(staging, list(sizes))
     if options.verify:
@@ -286,29 +290,48 @@ def _same_bytes(target, info, source_files, source_info, buffers) -> bool:
     return True
 
 
-def check_replaceable_dcp(destination: Path, writes: set[str]) -> None:
+def check_replaceable_dcp(destination: Path) -> None:
     """With ``--force``, DST may be replaced only if it is a DCP folder this tool wrote (its
-    ``slim_mha.json`` says so) holding nothing but DCP's files, ours, and the companions it recorded."""
+    ``slim_mha.json`` says so) holding nothing but what that record names: its metadata, the data files
+    it wrote, and the companions it copied, unchanged since (by digest). Anything else is named, not
+    deleted: a data file someone added, a companion someone edited."""
     if not os.path.lexists(destination) or (destination.is_dir() and not os.listdir(destination)):
         return
-    recorded_path = destination / PROVENANCE_NAME
-    try:
-        recorded = json.loads(recorded_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        recorded = None
-    if not isinstance(recorded, dict) or OURS_KEY not in recorded:
+    recorded = _recorded(destination / PROVENANCE_NAME)
+    if OURS_KEY not in recorded:
         raise ValueError(
             f"{shown(destination)}: {option('force')} replaces only a DCP folder slim-mha-migrate wrote, and this one "
             f"has no {PROVENANCE_NAME} of ours (someone else's checkpoint?); move it away or choose another DST"
         )
-    try:
-        companions = json.loads(recorded.get(COMPANIONS_KEY, "{}"))
-    except (TypeError, ValueError, RecursionError):
-        companions = {}
+    companions, data_files = _listed(recorded, COMPANIONS_KEY), _listed(recorded, DATA_FILES_KEY)
     for name in sorted(os.listdir(destination)):
-        ours = name in (METADATA_NAME, PROVENANCE_NAME) or name.endswith(DATA_SUFFIX) or name in companions
-        if not ours and name not in writes:
+        path = destination / name
+        if name in companions:
+            ours = isinstance(companions, dict) and companions[name] == file_digest(path)
+        else:
+            ours = name in (METADATA_NAME, PROVENANCE_NAME) or name in data_files
+        if not ours:
             raise ValueError(
-                f"{shown(destination / name)}: {option('force')} would delete it with DST, and no earlier run wrote "
-                "it; move it away or choose another DST"
+                f"{shown(path)}: {option('force')} would delete it with DST, and no earlier run wrote it, or it "
+                "changed since; move it away or choose another DST"
             )
+
+
+def _recorded(path: Path) -> dict:
+    """An earlier output's ``slim_mha.json``, or ``{}`` where there is none that reads as one."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def _listed(recorded: dict, key: str) -> dict | list:
+    """The names (a list, or a dict of name to digest) under ``key``, each a string; empty if malformed."""
+    try:
+        listed = json.loads(recorded.get(key, "[]"))
+    except (TypeError, ValueError, RecursionError):
+        return []
+    if isinstance(listed, dict):
+        return {name: digest for name, digest in listed.items() if isinstance(digest, str)}
+    return [name for name in listed if isinstance(name, str)] if isinstance(listed, list) else []

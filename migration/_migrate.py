@@ -227,7 +227,7 @@ def _write_planned(
     def check() -> None:
         if writes_dcp:
             check_not_an_input(destination, reads)
-            check_replaceable_dcp(destination, {companion.name for companion in copied})
+            check_replaceable_dcp(destination)
             return
         check_replaceable(
             destination, directory=checkpoint.writes_directory, writes=writes, reads=reads, companions=copied

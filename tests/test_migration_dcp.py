@@ -366,3 +366,25 @@ def test_metadata_of_dcp_classes_put_together_wrongly_gets_one_line(saved, tmp_p
     code, _, err = run_cli(["inspect", broken], capsys)
     assert code == 1 and "is not put together as DCP writes its metadata" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "intrusion",
+    [
+        lambda out: (out / "__9_0.distcp").write_bytes(b"someone's shard"),
+        lambda out: (out / "README.md").write_text("edited after the run\n"),
+        lambda out: (out / "notes.txt").write_text("added after the run\n"),
+    ],
+    ids=["an added data file", "an edited companion", "an added file"],
+)
+def test_force_replaces_its_own_output_only_as_it_wrote_it(saved, tmp_path, capsys, intrusion):
+    """--force names, and never deletes, what no earlier run wrote into DST, or what changed since."""
+    source, _ = saved
+    (source / "README.md").write_text("trained for 7 steps\n")
+    out = tmp_path / "out"
+    fold_checkpoint(source, out)
+    intrusion(out)
+    before = tree_digest(out)
+    code, _, err = run_cli(["fold", source, out, "--force"], capsys)
+    assert code == 1 and "would delete it with DST, and no earlier run wrote it" in err, err
+    assert tree_digest(out) == before
