@@ -86,7 +86,7 @@ def _resolve(target: str, option: str) -> Callable:
 
 # Who runs the model: stock, slim under ``patched()``, and with --skip-unread-weights slim skipping
 # the weights its callers never read.
-_SKIP = {"stock": None, "slim": None, "slim_skip": True}
+_PATCHED = {"slim": None, "slim_skip": True}  # name -> skip_unread_weights; stock is built unpatched
 
 
 def _build(factory: Callable, target: str, name: str) -> nn.Module:
@@ -94,7 +94,7 @@ def _build(factory: Callable, target: str, name: str) -> nn.Module:
 
     torch.manual_seed(0)
     try:
-        with slim_mha.patched(skip_unread_weights=_SKIP[name]) if name != "stock" else contextlib.nullcontext():
+        with slim_mha.patched(skip_unread_weights=_PATCHED[name]) if name in _PATCHED else contextlib.nullcontext():
             model = factory()
     except Exception as error:  # the user's code: say whose it is
         raise ModelInputError(
