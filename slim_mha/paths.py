@@ -159,10 +159,9 @@ def choose_path(
             plan = _masked_self_attention_path(module, call, device)
     else:
         plan = CallPlan("general", "masks or cross-attention")
-    if plan.path != "general":
-        return plan._replace(symbolic=symbolic)
-    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
-    if need_weights and largest is not None and attn_mask is None and not is_causal:
+    # Calls with weights that no kernel path takes: stock's ops where they are the faster.
+    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype)) if plan.path == "general" else None
+    if largest is not None and need_weights and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
         if score_bytes is not None and score_bytes <= largest and _stock_ops_take(module, query, key, key_padding_mask):
             one_pass = (
@@ -172,7 +171,7 @@ def choose_path(
             )
             if not one_pass or module_records_graph(module, query, key, value):
                 return CallPlan("stock ops", "", symbolic)
-    return plan._replace(symbolic=symbolic)
+    return CallPlan(plan.path, plan.why, symbolic, plan.batch_major)
 
 
 def _self_attention_path(module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool) -> CallPlan:
@@ -204,22 +203,29 @@ def _self_attention_path(module: nn.MultiheadAttention, query: Tensor, device: s
     return CallPlan("sdpa", batch_major=batch_first and kernel)
 
 
+_MASKS_OFF_STOCKS_FAST_PATH = "masks, on a call stock's fast path would not take"
+
+
 def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> CallPlan:
     """For self-attention with masks: ``"stock kernel"`` where stock's fast path would run its kernel
     with the masks and it is the faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else
     ``"general"`` and why. Never where a query sees no key: the kernel turns that row to NaN."""
+    # First the module's part of stock's test, which training fails: such a call goes to slim's own
+    # path with stock's layout fact already known, and no more is asked of it on the way.
+    if not stock_module_takes_fast_path(module):
+        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
     query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
     largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
         return CallPlan("general", "masks, where stock's kernel with masks is not the faster (or not measured)")
     state = module.__dict__
     if not state["batch_first"]:  # stock's fast path takes batch-first calls alone
-        return CallPlan("general", "masks, on a call stock's fast path would not take", batch_major=False)
+        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
     batch, length = query.shape[:2]
     if batch * state["num_heads"] * length * length * query.element_size() > largest:
         return CallPlan("general", "masks, on scores larger than stock's kernel is the faster at")
     if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
-        return CallPlan("general", "masks, on a call stock's fast path would not take", batch_major=False)
+        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
     if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
         return CallPlan("general", "weights too large to check", batch_major=True)
     if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
