@@ -1,0 +1,35 @@
+"""The scripts in ``benchmarks/`` that record the project's figures still run against the benchmark's
+helpers they import. Never timings: the figures belong in ``benchmarks/``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs this git checkout")
+def test_the_smallest_calls_script_times_stock_then_and_now_in_every_case():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "smallest_calls_ab.py"), "--against", "HEAD", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    rows = [line for line in result.stdout.splitlines() if line.startswith("B=2 L=16 E=64 H=4")]
+    assert len(rows) == 8, result.stdout  # inference and training, masked or not, weights or not
+    for row in rows:
+        ratios = re.findall(r"(stock|then)/now (\d+\.\d+)x", row)
+        assert [name for name, _ in ratios] == ["stock", "then"], row
+        assert all(float(value) > 0 for _, value in ratios), row
+    assert "then: slim_mha at HEAD" in result.stdout
