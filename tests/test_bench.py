@@ -286,8 +286,11 @@ def test_run_times_slim_on_its_other_paths_and_restores_them(capsys, tmp_path):
     assert bench.main([*argv, "--blocks", "2", "--one-pass", *_QUICK, "--no-plot", "--json", str(path)]) == 0
     assert explicit.rows_per_block is rows_per_block and torch.backends.mha.get_fastpath_enabled()  # put back
     out = capsys.readouterr().out
-    assert "stock/one_pass (paired): " in out and "stock/blocks (paired): " in out
     result = json.loads(path.read_text())["cases"][0]
+    if result["stalled"]:  # a busy machine stopped the process inside calls: no ratio is printed, by design
+        assert "stalled" in out
+    else:
+        assert "stock/one_pass (paired): " in out and "stock/blocks (paired): " in out
     assert set(result["time"]) == set(result["memory"]) == {"stock", "slim", "floor", "blocks", "one_pass"}
     assert {"stock_over_slim", "slim_over_floor", "stock_over_blocks", "stock_over_one_pass"} <= set(
         result["paired_ratios"]
