@@ -1,6 +1,6 @@
 """The smallest calls against stock and against slim at an earlier commit, in one process.
 
-    python benchmarks/smallest_calls_ab.py [--against 794b84a] [--repeats 21] [--threads 2] [--busy N] [--shape 2x16x64x4 ...]
+    python benchmarks/smallest_calls_ab.py [--against 794b84a] [--skip-unread-weights] [--repeats 21] [--threads 2] [--busy N] [--shape 2x16x64x4 ...]
 
 At B=2 L=16 a call takes tens of microseconds, and a microsecond of slim's own Python is a percent
 of it: a change to the code that chooses a call's path shows here first. The slim_mha package of
@@ -10,8 +10,10 @@ contenders are timed interleaved in one process (``slim_mha.bench.measure.timing
 warm, beside ``--busy`` busy processes: stock ``nn.MultiheadAttention``, slim then, slim now, all on
 the same weights and inputs. Cases: inference (eval, ``inference_mode``) and a training step
 (forward and backward), without and with a key padding mask (the last quarter of the keys of every
-other sequence), without and with weights. Printed per case: the median microseconds, and the
-paired ratios stock/now and then/now (above 1, slim now is faster).
+other sequence), without and with weights. Every call site reads the output alone
+(``attn(q, k, v)[0]``), so ``--skip-unread-weights`` adds slim now built with that option ("skip"),
+which may skip the weights there. Printed per case: the median microseconds, and the paired ratios
+stock/now, then/now and stock/skip (above 1, the second is faster).
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ def contenders(modules: dict[str, nn.Module], shape, mode: str, masked: bool, we
 
             def infer() -> None:
                 with torch.inference_mode():
-                    module(x, x, x, **keywords)
+                    module(x, x, x, **keywords)[0]
 
             return infer, lambda: None
 
         def train() -> None:
-            module(x, x, x, **keywords)[0].backward(grad)
+            out = module(x, x, x, **keywords)[0]
+            out.backward(grad)
 
         def reset() -> None:
             x.grad = None
@@ -92,6 +95,9 @@ def contenders(modules: dict[str, nn.Module], shape, mode: str, masked: bool, we
 def main() -> None:
     parser = script_parser(__doc__, SHAPES)
     parser.add_argument("--against", default="794b84a", metavar="COMMIT", help="slim then (default: 794b84a)")
+    parser.add_argument(
+        "--skip-unread-weights", action="store_true", help="also slim now built with skip_unread_weights=True"
+    )
     args = parse_script_arguments(parser)
     with tempfile.TemporaryDirectory() as folder:
         then = slim_at(args.against, Path(folder))
@@ -105,8 +111,11 @@ def main() -> None:
                     stock.in_proj_bias.normal_(std=0.1)
                     stock.out_proj.bias.normal_(std=0.1)
                 modules = {"stock": stock}
-                for name, cls in (("then", then), ("now", SlimMultiheadAttention)):
-                    modules[name] = cls(shape[2], shape[3], batch_first=True)
+                builds = [("then", then, {}), ("now", SlimMultiheadAttention, {})]
+                if args.skip_unread_weights:
+                    builds.append(("skip", SlimMultiheadAttention, {"skip_unread_weights": True}))
+                for name, cls, options in builds:
+                    modules[name] = cls(shape[2], shape[3], batch_first=True, **options)
                     modules[name].load_state_dict(stock.state_dict())
                 for mode in ("inference", "train"):
                     for masked in (False, True):
@@ -115,13 +124,13 @@ def main() -> None:
                             timed = measure(steps, torch.device("cpu"), Settings(repeats=args.repeats))
                             samples = {name: summary.samples_ms for name, summary in timed.items()}
                             us = "  ".join(f"{name} {summary.median_ms * 1e3:7.1f}" for name, summary in timed.items())
+                            pairs = [("stock", "now"), ("then", "now")] + [("stock", "skip")] * ("skip" in samples)
                             ratios = ", ".join(
-                                f"{name}/now {median_of_ratios(samples[name], samples['now']):.3f}x"
-                                for name in ("stock", "then")
+                                f"{a}/{b} {median_of_ratios(samples[a], samples[b]):.3f}x" for a, b in pairs
                             )
                             label = f"{mode:<9} {'padding' if masked else '-':<7} {'w' if weights else '-'}"
                             print(f"B={shape[0]} L={shape[1]} E={shape[2]} H={shape[3]} {label}  us {us};  {ratios}")
-    print("paired a/now: the median over interleaved repeats of a's time over slim now's (above 1, now is faster)")
+    print("paired a/b: the median over interleaved repeats of a's time over b's (above 1, b is faster)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The seam where slim's optional features plug into attention's calls, so the core imports none of them.
 
-A leaf: it imports nothing of slim_mha, and the features import it to register.
+A leaf: it imports nothing of slim_mha when it is imported, and the features import it to register;
+:func:`load_feature` imports a feature by name where one is first wanted.
 
 * The equivariance check: ``slim_mha.equivariance`` sets :attr:`Checks.run` on :data:`CHECKS` when it
   is imported, and its scopes and the environment variable switch :attr:`Checks.active`. A slim
@@ -15,6 +16,7 @@ so ``import slim_mha.attention`` alone loads neither.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 
@@ -26,6 +28,7 @@ __all__ = [
     "UnreadWeights",
     "check_every",
     "checks_wanted_by_environment",
+    "load_feature",
     "resolve_options",
     "resolve_skip_option",
 ]
@@ -58,6 +61,14 @@ class UnreadWeights:
 
 CHECKS = Checks()
 UNREAD = UnreadWeights()
+
+# The optional features, each imported where first wanted; each registers here when it is imported.
+_FEATURES = {"check": "slim_mha.equivariance._mode", "unread weights": "slim_mha.unread_weights"}
+
+
+def load_feature(name: str) -> None:
+    """Import the feature ``name`` (``"check"`` or ``"unread weights"``), which registers here."""
+    importlib.import_module(_FEATURES[name])
 
 
 def checks_wanted_by_environment() -> bool:

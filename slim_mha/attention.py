@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import cast
@@ -13,7 +12,7 @@ from torch import Tensor, nn
 
 from . import inspection
 from ._explicit_attention import attention_with_weights, query_scale
-from ._features import CHECKS, UNREAD, checks_wanted_by_environment, resolve_options, resolve_skip_option
+from ._features import CHECKS, UNREAD, checks_wanted_by_environment, load_feature, resolve_options, resolve_skip_option
 from ._stock_checks import (
     AttentionCall,
     PreparedCall,
@@ -157,7 +156,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         # calls whose tensors hold no values (traced, compiled, transformed, faked) are not checked.
         if (self.check_equivariance or CHECKS.active) and not is_symbolic_call(query):
             if CHECKS.run is None:  # check_equivariance set by hand, before the check was loaded
-                _load_feature("check")
+                load_feature("check")
             cast(Callable, CHECKS.run)(self, result, call)
         return result
 
@@ -265,12 +264,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return (out.transpose(1, 0) if self.batch_first else out), weights
 
     def _slim_general_with_options(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
-        """Slim's own path, with weights skipped where the caller provably discards them."""
-        if not (call.need_weights and self.skip_unread_weights):
-            return self._slim_general(call, plan=plan)
-        if UNREAD.discarded is None:  # skip_unread_weights set by hand, before the feature was loaded
-            _load_feature("unread weights")
-        if not cast(Callable, UNREAD.discarded)(self, call.query):
+        """Slim's own path, with weights skipped where ``choose_path`` found that the caller discards them."""
+        if not plan.drops_weights:
             return self._slim_general(call, plan=plan)
         call, drop_weights = cast(Callable, UNREAD.call_without_weights)(call, self.training and self.dropout > 0.0)
         result = self._slim_general(call, plan=plan)
@@ -442,17 +437,9 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         return ", ".join(extras)
 
 
-# The optional features, each imported where first wanted; each registers on slim_mha._features.
-_FEATURES = {"check": "slim_mha.equivariance._mode", "unread weights": "slim_mha.unread_weights"}
-
-
-def _load_feature(name: str) -> None:
-    importlib.import_module(_FEATURES[name])
-
-
 # The environment turns the per-call check on for the whole process: load it with the class.
 if checks_wanted_by_environment():
-    _load_feature("check")
+    load_feature("check")
 
 # Stock's forward's keyword defaults (None, True, False: compared by identity), read off its signature.
 _STOCK_DEFAULTS = {
@@ -481,9 +468,9 @@ def slim_options(
     check, every = resolve_options(check_equivariance, check_equivariance_every)
     skip = resolve_skip_option(skip_unread_weights)
     if check:
-        _load_feature("check")
+        load_feature("check")
     if skip:
-        _load_feature("unread weights")
+        load_feature("unread weights")
     return {
         # Permutation-equivariance assertion mode; None follows SLIM_MHA_CHECK_EQUIVARIANCE and
         # slim_mha.checking_equivariance() (see slim_mha.equivariance).

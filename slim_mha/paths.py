@@ -9,7 +9,8 @@ Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its he
   computes stock's weights on the path :func:`choose_path` picks for it with ``recording=False``,
   hands them to the block, and returns what the caller asked for;
 * ``"stock kernel"``: stock's native kernel given ``[b_q; 0; b_v]``, for self-attention without a
-  graph where stock's fast path would run it. Without masks: with weights always (it is the floor),
+  graph where stock's fast path would run it. Without masks: with weights always (it is the floor;
+  with ``skip_unread_weights`` up to :data:`SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES`),
   without weights where its scores are small (:data:`STOCK_KERNEL_MAX_SCORE_BYTES`) and under the
   CPU's autocast (where stock runs its kernel too). With bool masks, given stock's merged mask, up
   to :data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`, and never where a query sees no key;
@@ -27,7 +28,7 @@ The rules and the measurements behind them are in ``benchmarks/RESULTS.md``, "Pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple, cast
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from . import _explicit_attention, inspection
 from ._explicit_attention import below_checked_size, forced_rows
+from ._features import UNREAD, load_feature
 from ._stock_checks import (
     AttentionCall,
     a_row_sees_no_key,
@@ -51,6 +53,7 @@ __all__ = [
     "PATHS_TAKEN",
     "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES",
     "STOCK_KERNEL_MAX_SCORE_BYTES",
+    "SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES",
     "STOCK_OPS_MAX_SCORE_BYTES",
     "CallPlan",
     "choose_path",
@@ -65,13 +68,15 @@ class CallPlan(NamedTuple):
     path (``""`` where it takes one). symbolic: the call's tensors may not be real ones
     (:func:`~slim_mha._torch_compat.is_symbolic_call`), ``None`` where the choice never asked.
     batch_major: stock returns this call's output as ``(B, L, E)`` memory (its fast path), ``None``
-    where the choice never asked.
+    where the choice never asked. drops_weights: the module skips unread weights and the call's
+    caller provably discards them (:mod:`slim_mha.unread_weights`): slim's own path computes none.
     """
 
     path: str
     why: str = ""
     symbolic: bool | None = None
     batch_major: bool | None = None
+    drops_weights: bool = False
 
 
 # What each path is, in the words explain prints where choose_path gives no reason (it names why a
@@ -116,6 +121,18 @@ STOCK_OPS_MAX_SCORE_BYTES = {
     ("cpu", torch.bfloat16): 64 << 10,
 }
 
+# With ``skip_unread_weights``, a call with weights takes slim's own path, which skips the weights
+# its caller discards, except a call stock's kernel computes with weights whose scores fit in this
+# many bytes, keyed by (device, dtype, masked): there the kernel, weights and all, is still the
+# faster. On the CPU in fp32 it wins by 8-25% up to 128 KiB and by 0-11% at 256 KiB without masks,
+# and loses by 3-7% at 512 KiB; with a padding mask it wins by 1-40% up to 32 KiB and loses by 9% at
+# 64 KiB. In bf16 the skip wins at every size measured, and CUDA has not been measured: there the
+# skip always applies (benchmarks/smallest_calls/README.md, "skip_unread_weights").
+SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES = {
+    ("cpu", torch.float32, False): 256 << 10,
+    ("cpu", torch.float32, True): 32 << 10,
+}
+
 # Except for batch-first calls without a graph or dropout from this many bytes of scores on: there
 # slim's one pass wins, as it projects the caller's layout where stock's ops first copy every input
 # sequence-first (benchmarks/RESULTS.md, "Small shapes with weights").
@@ -145,31 +162,43 @@ def choose_path(
         return CallPlan("recorded", "attention maps are being recorded (slim_mha.recording_attention)")
     symbolic = is_symbolic_call(query)
     stand_ins = not as_real and (symbolic or type(query) is not Tensor)
-    why = _why_slims_own_path(module, query, need_weights, stand_ins)
-    if why:
-        return CallPlan("general", why, symbolic)
-    state = module.__dict__
-    same_width = state["_qkv_same_embed_dim"]
     # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
     device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
-    if query is key and key is value and not is_causal and same_width:
+    why = _why_slims_own_path(module, query, stand_ins)
+    state = module.__dict__
+    if why:
+        plan = CallPlan("general", why)
+    elif query is key and key is value and not is_causal and state["_qkv_same_embed_dim"]:
         if key_padding_mask is None and attn_mask is None:
             plan = _self_attention_path(module, query, device, need_weights)
         else:
             plan = _masked_self_attention_path(module, call, device)
     else:
         plan = CallPlan("general", "masks or cross-attention")
+    if need_weights and module.skip_unread_weights:
+        masked = key_padding_mask is not None or attn_mask is not None
+        kernel_up_to = SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype, masked), -1)
+        if plan.path != "stock kernel" or cast(int, _packed_score_bytes(module, query, key, value)) > kernel_up_to:
+            if UNREAD.discarded is None:  # skip_unread_weights set by hand, before the feature was loaded
+                load_feature("unread weights")
+            # Asked here, in the frame forward calls: the proof reads forward's caller. Where it
+            # fails, the call takes the path it would take without the option, weights and all.
+            if cast(Callable, UNREAD.discarded)(module, query):
+                return CallPlan("general", "slim's own option skip_unread_weights", symbolic, drops_weights=True)
     # Calls with weights that no kernel path takes: stock's ops where they are the faster.
-    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype)) if plan.path == "general" else None
+    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype)) if plan.path == "general" and not why else None
     if largest is not None and need_weights and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
-        if score_bytes is not None and score_bytes <= largest and _stock_ops_take(module, query, key, key_padding_mask):
+        if score_bytes is not None and score_bytes <= largest:
             one_pass = (
                 state["batch_first"]
                 and score_bytes >= ONE_PASS_FROM_SCORE_BYTES
                 and not (state["training"] and state["dropout"] > 0.0)
             )
-            if not one_pass or module_records_graph(module, query, key, value):
+            # The padding mask last: it reads the mask on the host, which a one-pass call need not.
+            if (not one_pass or module_records_graph(module, query, key, value)) and _stock_ops_take(
+                module, query, key, key_padding_mask
+            ):
                 return CallPlan("stock ops", "", symbolic)
     return CallPlan(plan.path, plan.why, symbolic, plan.batch_major)
 
@@ -260,12 +289,10 @@ def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tenso
     return batch * state["num_heads"] * length * source * query.element_size()
 
 
-def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, need_weights: bool, stand_ins: bool) -> str:
+def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, stand_ins: bool) -> str:
     """The first reason a call can take no path but slim's own, or ``""``. ``stand_ins``: the call's
     tensors may not be real ones (traced, transformed, faked or a subclass), and are not taken as such."""
     state, parameters = module.__dict__, module._parameters
-    if need_weights and module.skip_unread_weights:
-        return "slim's own option skip_unread_weights"
     if parameters.get("bias_k") is not None or parameters.get("bias_v") is not None or state["add_zero_attn"]:
         return "appended tokens, where the key bias matters"
     out_parameters = cast(nn.Module, module._modules["out_proj"])._parameters

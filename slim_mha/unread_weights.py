@@ -138,8 +138,9 @@ def call_without_weights(call: AttentionCall, drops_attention: bool) -> tuple[At
 def weights_discarded(module: nn.Module, query: object) -> bool:
     """Whether the caller of ``module``'s current ``forward`` provably discards the weights.
 
-    Called from the general path's runner, which ``forward`` calls: ``forward``'s frame is the
-    second below this function's.
+    Called from :func:`slim_mha.paths.choose_path`, which ``forward`` calls: ``forward``'s frame is
+    the second below this function's. Called from anywhere else, no caller is found, and the answer
+    is no: the weights are computed.
     """
     if is_symbolic_call(query):
         return False

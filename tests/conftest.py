@@ -57,12 +57,13 @@ def slims_own_paths(monkeypatch):
     """Small calls that slim hands to stock's code by default in fp32 and bf16 take slim's own paths
     instead, for the tests that exercise slim's own code at small sizes: without weights its short
     path rather than stock's kernel, with masks or weights its own path rather than stock's kernel or
-    ops."""
+    ops, and with ``skip_unread_weights`` the skip rather than stock's kernel."""
     from slim_mha import paths
 
     monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_OPS_MAX_SCORE_BYTES", {})
+    monkeypatch.setattr(paths, "SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES", {})
 
 
 @pytest.fixture

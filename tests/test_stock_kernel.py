@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch.nn.utils import parametrize
 import slim_mha.attention as attention
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as guard
+from slim_mha import unread_weights as _unread_weights
 
 from _plain_calls import (
     BATCH,
@@ -186,7 +188,6 @@ def _odd_head_modules(batch_first: bool = True):
 
 SLIM_OWN = [
     "dropout in training",
-    "skip unread weights",
     "memory guard sizes",
     "forced blocks",
     "parametrized bias",
@@ -208,10 +209,6 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             slim.train()
             out, weights = slim(x, x, x)
             assert out.shape == (BATCH, LENGTH, EMBED) and weights.shape == (BATCH, LENGTH, LENGTH)
-        elif case == "skip unread weights":
-            slim.skip_unread_weights = True
-            out, weights = slim(x, x, x)  # read: computed by the general path
-            assert_close_scaled(weights, stock(x, x, x)[1], "weights")
         elif case == "memory guard sizes":
             monkeypatch.setattr(guard, "_CHECK_ABOVE_BYTES", 0)  # every request is checked: the guard's path
             assert_like_stock(stock, slim, x, x, x)
@@ -241,6 +238,50 @@ def test_calls_slim_handles_itself_take_the_general_path(case, kernel_calls, mon
             out, _ = slim(nested, nested, nested, need_weights=False)
             assert out.is_nested
     assert kernel_calls == []
+
+
+def _discarding_call(attention_module, x, padding):
+    """A call site whose weights are provably discarded: where the module skips unread weights, it may."""
+    if padding is None:
+        return attention_module(x, x, x)[0]
+    return attention_module(x, x, x, key_padding_mask=padding)[0]
+
+
+@pytest.mark.skipif(
+    sys.version_info[:2] not in _unread_weights._TESTED_VERSIONS, reason="skipping is off on untested bytecode"
+)
+@pytest.mark.parametrize("case", ["batch-first", "sequence-first", "padding mask"])
+def test_with_skip_unread_weights_small_calls_keep_the_kernel_and_larger_ones_skip(case, kernel_calls, monkeypatch):
+    """Where stock's kernel, weights and all, is faster than skipping them (small fp32 scores on the
+    CPU), a module built to skip unread weights keeps the kernel; above that size a caller that
+    discards the weights gets none computed, on slim's own path, and one that reads them gets the
+    kernel. Every call gives stock's output."""
+    from slim_mha import paths
+
+    batch_first, masked = case != "sequence-first", case == "padding mask"
+    stock, slim = modules(batch_first=batch_first)
+    slim.skip_unread_weights = True
+    skips = recorded_calls(monkeypatch, _unread_weights, "call_without_weights")
+    monkeypatch.setattr(attention.UNREAD, "call_without_weights", _unread_weights.call_without_weights)
+    x = tokens() if batch_first else tokens().transpose(0, 1).contiguous()
+    padding = None
+    if masked:  # the last two keys of the first sequence are padding
+        padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+        padding[0, -2:] = True
+    key = ("cpu", torch.float32, masked)
+    small = BATCH * HEADS * LENGTH * LENGTH * 4
+    with torch.no_grad():
+        expected_out, expected_weights = stock(x, x, x, key_padding_mask=padding)
+        assert small <= paths.SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES[key]
+        assert_close_scaled(_discarding_call(slim, x, padding), expected_out)
+        assert (len(kernel_calls), len(skips)) == (1, 0)  # small: the kernel, weights and all
+        monkeypatch.setattr(paths, "SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES", {key: small - 1})
+        assert_close_scaled(_discarding_call(slim, x, padding), expected_out)
+        assert (len(kernel_calls), len(skips)) == (1, 1)  # larger: skipped, on slim's own path
+        out, weights = slim(x, x, x, key_padding_mask=padding)  # read: the path without the option
+        assert (len(kernel_calls), len(skips)) == (2, 1)
+    assert_close_scaled(out, expected_out)
+    assert_close_scaled(weights, expected_weights, "weights")
 
 
 # -------------------------------------------------------------------------------- the check fails
