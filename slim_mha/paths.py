@@ -121,13 +121,13 @@ STOCK_OPS_MAX_SCORE_BYTES = {
     ("cpu", torch.bfloat16): 64 << 10,
 }
 
-# With ``skip_unread_weights``, a call with weights takes slim's own path, which skips the weights
-# its caller discards, except a call stock's kernel computes with weights whose scores fit in this
-# many bytes, keyed by (device, dtype, masked): there the kernel, weights and all, is still the
-# faster. On the CPU in fp32 it wins by 8-25% up to 128 KiB and by 0-11% at 256 KiB without masks,
-# and loses by 3-7% at 512 KiB; with a padding mask it wins by 1-40% up to 32 KiB and loses by 9% at
-# 64 KiB. In bf16 the skip wins at every size measured, and CUDA has not been measured: there the
-# skip always applies (benchmarks/smallest_calls/README.md, "skip_unread_weights").
+# With ``skip_unread_weights``, a call whose caller discards the weights takes slim's own path
+# without them, except a call stock's kernel runs with weights whose scores fit in this many bytes,
+# keyed by (device, dtype, masked): there the kernel, weights and all, is still the faster. On the
+# CPU in fp32 it is faster by 4-53% up to 256 KiB and slower by 3-5% at 512 KiB; with a padding mask
+# faster by 13-44% up to 32 KiB and slower by 12% at 64 KiB. In bf16 the skip is faster by 6-18% from
+# 32 KiB (within 2% at 4 KiB), and CUDA has not been measured: there the skip always applies
+# (benchmarks/skip_or_kernel.py, benchmarks/smallest_calls/README.md).
 SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES = {
     ("cpu", torch.float32, False): 256 << 10,
     ("cpu", torch.float32, True): 32 << 10,
@@ -164,6 +164,21 @@ def choose_path(
     stand_ins = not as_real and (symbolic or type(query) is not Tensor)
     # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
     device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
+    # skip_unread_weights: slim's own path without the weights where the caller provably discards
+    # them, but for small calls stock's kernel runs (with weights, still the faster). The proof is
+    # asked in this frame, which forward calls (it reads forward's caller), before the kernel's
+    # questions where the call is too large for the kernel to be kept. Without the proof, the call
+    # takes the path it would take without the option, weights and all.
+    skipping = need_weights and module.skip_unread_weights
+    small = False  # small enough for stock's kernel to be kept, should it run the call
+    if skipping:
+        if UNREAD.discarded is None:  # skip_unread_weights set by hand, before the feature was loaded
+            load_feature("unread weights")
+        masked = key_padding_mask is not None or attn_mask is not None
+        kernel_up_to = SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype, masked), -1)
+        small = (_packed_score_bytes(module, query, key, value) or kernel_up_to + 1) <= kernel_up_to
+        if not small and cast(Callable, UNREAD.discarded)(module, query):
+            return CallPlan("general", _SKIPPING, symbolic, drops_weights=True)
     why = _why_slims_own_path(module, query, stand_ins)
     state = module.__dict__
     if why:
@@ -175,16 +190,8 @@ def choose_path(
             plan = _masked_self_attention_path(module, call, device)
     else:
         plan = CallPlan("general", "masks or cross-attention")
-    if need_weights and module.skip_unread_weights:
-        masked = key_padding_mask is not None or attn_mask is not None
-        kernel_up_to = SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype, masked), -1)
-        if plan.path != "stock kernel" or cast(int, _packed_score_bytes(module, query, key, value)) > kernel_up_to:
-            if UNREAD.discarded is None:  # skip_unread_weights set by hand, before the feature was loaded
-                load_feature("unread weights")
-            # Asked here, in the frame forward calls: the proof reads forward's caller. Where it
-            # fails, the call takes the path it would take without the option, weights and all.
-            if cast(Callable, UNREAD.discarded)(module, query):
-                return CallPlan("general", "slim's own option skip_unread_weights", symbolic, drops_weights=True)
+    if small and plan.path != "stock kernel" and cast(Callable, UNREAD.discarded)(module, query):
+        return CallPlan("general", _SKIPPING, symbolic, drops_weights=True)
     # Calls with weights that no kernel path takes: stock's ops where they are the faster.
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype)) if plan.path == "general" and not why else None
     if largest is not None and need_weights and attn_mask is None and not is_causal:
@@ -233,6 +240,7 @@ def _self_attention_path(module: nn.MultiheadAttention, query: Tensor, device: s
 
 
 _MASKS_OFF_STOCKS_FAST_PATH = "masks, on a call stock's fast path would not take"
+_SKIPPING = "slim's own option skip_unread_weights"
 
 
 def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> CallPlan:
