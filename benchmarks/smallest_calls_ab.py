@@ -1,6 +1,6 @@
 """The smallest calls against stock and against slim at an earlier commit, in one process.
 
-    python benchmarks/smallest_calls_ab.py [--against 794b84a] [--skip-unread-weights] [--repeats 21] [--threads 2] [--busy N] [--shape 2x16x64x4 ...]
+    python benchmarks/smallest_calls_ab.py [--against 794b84a] [--skip-unread-weights] [--forwarded] [--repeats 21] [--threads 2] [--busy N] [--shape 2x16x64x4 ...]
 
 At B=2 L=16 a call takes tens of microseconds, and a microsecond of slim's own Python is a percent
 of it: a change to the code that chooses a call's path shows here first. The slim_mha package of
@@ -11,8 +11,9 @@ warm, beside ``--busy`` busy processes: stock ``nn.MultiheadAttention``, slim th
 the same weights and inputs. Cases: inference (eval, ``inference_mode``) and a training step
 (forward and backward), without and with a key padding mask (the last quarter of the keys of every
 other sequence), without and with weights. Every call site reads the output alone
-(``attn(q, k, v)[0]``), so ``--skip-unread-weights`` adds slim now built with that option ("skip"),
-which may skip the weights there. Printed per case: the median microseconds, and the paired ratios
+(``attn(x, x, x, need_weights=..., key_padding_mask=...)[0]``), so ``--skip-unread-weights`` adds slim
+now built with that option ("skip"), which skips the weights there; ``--forwarded`` passes the
+arguments on as ``**keywords`` instead, where slim cannot prove that the weights go unread. Printed per case: the median microseconds, and the paired ratios
 stock/now, then/now and stock/skip (above 1, the second is faster).
 """
 
@@ -61,13 +62,27 @@ def slim_at(commit: str, folder: Path) -> type:
     return importlib.import_module("slim_mha_then").SlimMultiheadAttention
 
 
-def contenders(modules: dict[str, nn.Module], shape, mode: str, masked: bool, weights: bool) -> dict:
+def call_site(forwarded: bool):
+    """The line that calls attention and keeps its output alone. Written out, slim_mha can prove that
+    the weights are discarded; ``forwarded`` (``**keywords``, as a library passes its caller's
+    arguments on) it cannot, and the weights are computed as asked."""
+    if forwarded:
+        return lambda module, x, need_weights, padding: module(
+            x, x, x, **{"need_weights": need_weights, "key_padding_mask": padding}
+        )[0]
+    return lambda module, x, need_weights, padding: module(
+        x, x, x, need_weights=need_weights, key_padding_mask=padding
+    )[0]
+
+
+def contenders(modules: dict[str, nn.Module], shape, mode: str, masked: bool, weights: bool, forwarded: bool) -> dict:
     """``{name: (step, reset)}`` for one case, every module on the same inputs."""
     batch, length, width, _ = shape
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, length, width, generator=generator).requires_grad_(mode == "train")
     grad = torch.randn(batch, length, width, generator=generator)
-    keywords = {"need_weights": weights, **case_masks("padding" if masked else "none", batch, length, x.device)}
+    padding = case_masks("padding" if masked else "none", batch, length, x.device).get("key_padding_mask")
+    attend = call_site(forwarded)
 
     def step_of(module: nn.Module):
         module.train(mode == "train")
@@ -75,12 +90,12 @@ def contenders(modules: dict[str, nn.Module], shape, mode: str, masked: bool, we
 
             def infer() -> None:
                 with torch.inference_mode():
-                    module(x, x, x, **keywords)[0]
+                    attend(module, x, weights, padding)
 
             return infer, lambda: None
 
         def train() -> None:
-            out = module(x, x, x, **keywords)[0]
+            out = attend(module, x, weights, padding)
             out.backward(grad)
 
         def reset() -> None:
@@ -97,6 +112,9 @@ def main() -> None:
     parser.add_argument("--against", default="794b84a", metavar="COMMIT", help="slim then (default: 794b84a)")
     parser.add_argument(
         "--skip-unread-weights", action="store_true", help="also slim now built with skip_unread_weights=True"
+    )
+    parser.add_argument(
+        "--forwarded", action="store_true", help="call through **keywords, where slim cannot prove the weights unread"
     )
     args = parse_script_arguments(parser)
     with tempfile.TemporaryDirectory() as folder:
@@ -120,7 +138,7 @@ def main() -> None:
                 for mode in ("inference", "train"):
                     for masked in (False, True):
                         for weights in (False, True):
-                            steps = contenders(modules, shape, mode, masked, weights)
+                            steps = contenders(modules, shape, mode, masked, weights, args.forwarded)
                             timed = measure(steps, torch.device("cpu"), Settings(repeats=args.repeats))
                             samples = {name: summary.samples_ms for name, summary in timed.items()}
                             us = "  ".join(f"{name} {summary.median_ms * 1e3:7.1f}" for name, summary in timed.items())
