@@ -286,9 +286,9 @@ def _stock_ops_take(module: nn.MultiheadAttention, query: Tensor, key: Tensor, k
 def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> int | None:
     """The bytes of the scores of a batched call that stock's Python path would project with the
     packed weight, every head's: ``B·H·L·S`` elements of the query's dtype. None where it would not, or
-    where stock's checks would refuse the key or value: slim's own path then raises stock's error."""
+    where stock's checks would refuse the query, key or value: slim's own path then raises stock's error."""
     state, shape, key_shape = module.__dict__, query.shape, key.shape
-    if not state["_qkv_same_embed_dim"] or len(key_shape) != 3 or key_shape != value.shape:
+    if not state["_qkv_same_embed_dim"] or len(shape) != 3 or len(key_shape) != 3 or key_shape != value.shape:
         return None
     batch_axis = 0 if state["batch_first"] else 1
     if key_shape[batch_axis] != shape[batch_axis] or key_shape[2] != shape[2]:

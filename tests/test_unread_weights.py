@@ -539,6 +539,20 @@ def test_a_tested_python_does_not_warn(spy):
     assert spy.calls == 0
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_malformed_call_raises_stocks_error_with_the_option_on(batch_first):
+    """The option's questions come before stock's checks: an unbatched query with batched keys still
+    meets stock's error, not one of slim's own."""
+    stock = STOCK_MHA(8, 2, batch_first=batch_first)
+    slim = convert(copy.deepcopy(stock), skip_unread_weights=True)
+    query, key = torch.randn(5, 8), torch.randn(5, 3, 8)
+    with pytest.raises(AssertionError) as expected:
+        stock(query, key, key)
+    with pytest.raises(AssertionError) as raised:
+        site_subscript_zero(slim, query, key, key)
+    assert str(raised.value) == str(expected.value)
+
+
 def test_the_option_off_keeps_the_weights(spy):
     _, slim = stock_and_slim()
     slim.skip_unread_weights = False
