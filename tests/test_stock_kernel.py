@@ -284,6 +284,47 @@ def test_with_skip_unread_weights_small_calls_keep_the_kernel_and_larger_ones_sk
     assert_close_scaled(weights, expected_weights, "weights")
 
 
+def _discarding_masked_call(attention_module, x, padding):
+    return attention_module(x, x, x, key_padding_mask=padding)[0]
+
+
+@pytest.mark.skipif(
+    sys.version_info[:2] not in _unread_weights._TESTED_VERSIONS, reason="skipping is off on untested bytecode"
+)
+@pytest.mark.parametrize("empty_row", [False, True])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("length", [12, 40])  # scores of 4.5 KiB and 50 KiB: both sides of the masked limit
+def test_skip_unread_weights_on_both_sides_of_its_kernel_limit_gives_stocks_function(length, mask_dtype, empty_row):
+    """Against stock with its fast path off (its documented function): the kernel kept below the
+    limit, the skip above it, and the weights computed for a caller that reads them. A row masked
+    from every key is zero before the output projection on every path, its weights zero."""
+    from slim_mha import paths
+
+    limit = paths.SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES[("cpu", torch.float32, True)]
+    assert (2 * 4 * length * length * 4 <= limit) == (length == 12)
+    torch.manual_seed(0)
+    stock = randomize_parameters(STOCK_MHA(32, 4, batch_first=True), scale=0.3).eval()
+    slim = SlimMultiheadAttention(32, 4, batch_first=True, skip_unread_weights=True).eval()
+    slim.load_state_dict(stock.state_dict())
+    x = torch.randn(2, length, 32)
+    padded = torch.zeros(2, length, dtype=torch.bool)
+    padded[0, length // 2 :] = True
+    if empty_row:
+        padded[1] = True  # every query of sample 1 sees no key
+    padding = padded if mask_dtype == torch.bool else torch.zeros(2, length).masked_fill(padded, float("-inf"))
+    rows = torch.tensor([[False], [empty_row]]).expand(2, length)
+    with torch.no_grad(), fast_path_enabled(False):
+        expected_out, expected_weights = stock(x, x, x, key_padding_mask=padding)
+    with torch.no_grad():
+        discarded = _discarding_masked_call(slim, x, padding)
+        out, weights = slim(x, x, x, key_padding_mask=padding)  # read: computed
+    for actual in (discarded, out):
+        torch.testing.assert_close(actual[~rows], expected_out[~rows], rtol=1e-5, atol=1e-5)
+        assert torch.equal(actual[rows], stock.out_proj.bias.detach().expand(int(rows.sum()), 32))
+    torch.testing.assert_close(weights[~rows], expected_weights[~rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(weights[rows], torch.zeros_like(weights[rows]))
+
+
 # -------------------------------------------------------------------------------- the check fails
 
 
