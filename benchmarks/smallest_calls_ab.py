@@ -56,7 +56,8 @@ def slim_at(commit: str, folder: Path) -> type:
             f"--against {commit}: git archive failed ({archive.stderr.decode().strip()}); give a commit of this clone"
         )
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as unpacked:
-        unpacked.extractall(folder, filter="data")
+        # The filter argument came with Python 3.11.4; the archive is this clone's own either way.
+        unpacked.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     (folder / "slim_mha").rename(folder / "slim_mha_then")
     sys.path.insert(0, str(folder))
     return importlib.import_module("slim_mha_then").SlimMultiheadAttention
