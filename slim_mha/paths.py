@@ -125,7 +125,9 @@ STOCK_OPS_MAX_SCORE_BYTES = {
 # without them, except a call stock's kernel runs with weights whose scores fit in this many bytes,
 # keyed by (device, dtype, masked): there the kernel, weights and all, is still the faster. On the
 # CPU in fp32 it is faster by 4-53% up to 256 KiB and slower by 3-5% at 512 KiB; with a padding mask
-# faster by 13-44% up to 32 KiB and slower by 12% at 64 KiB. In bf16 the skip is faster by 6-18% from
+# faster by 13-44% up to 32 KiB and slower by 12% at 64 KiB. Beside a busy process the kernel is
+# within 2% at 256 KiB, and with a mask 5-7% slower than skipping at 32 KiB, yet still at or above
+# stock there, where skipping reads 0.91x of stock quiet. In bf16 the skip is faster by 6-18% from
 # 32 KiB (within 2% at 4 KiB), and CUDA has not been measured: there the skip always applies
 # (benchmarks/skip_or_kernel.py, benchmarks/smallest_calls/README.md).
 SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES = {
