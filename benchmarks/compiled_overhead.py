@@ -16,6 +16,7 @@ import contextlib
 import warnings
 
 import torch
+from _script import parse_script_arguments, script_parser
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -23,7 +24,6 @@ from slim_mha import SlimMultiheadAttention
 from slim_mha.bench.matrix.cases import parse_shape
 from slim_mha.bench.matrix.contenders import case_masks
 from slim_mha.bench.measure.allocator import allocator_state
-from slim_mha.bench.measure.options import parse_script_arguments, script_parser
 from slim_mha.bench.measure.timing import Settings, measure, median_of_ratios
 
 SHAPES = ("2x16x64x4",)

@@ -19,6 +19,7 @@ import contextlib
 import statistics
 
 import torch
+from _script import parse_script_arguments, script_parser
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention
@@ -26,7 +27,6 @@ from slim_mha.bench.matrix.cases import parse_shape
 from slim_mha.bench.matrix.contenders import fast_path_enabled
 from slim_mha.bench.measure.allocator import allocator_state
 from slim_mha.bench.measure.load import competing_load
-from slim_mha.bench.measure.options import parse_script_arguments, script_parser
 from slim_mha.bench.measure.timing import Settings, measure
 
 SHAPES = ("8x128x256x8", "4x512x512x8", "16x64x256x8")

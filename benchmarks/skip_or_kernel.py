@@ -15,6 +15,7 @@ skipping is faster) and stock/skip.
 from __future__ import annotations
 
 import torch
+from _script import parse_script_arguments, script_parser
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention, paths
@@ -22,7 +23,6 @@ from slim_mha.bench.matrix.cases import DTYPES, parse_shape
 from slim_mha.bench.matrix.contenders import case_masks
 from slim_mha.bench.measure.allocator import allocator_state
 from slim_mha.bench.measure.load import competing_load
-from slim_mha.bench.measure.options import parse_script_arguments, script_parser
 from slim_mha.bench.measure.timing import Settings, measure, median_of_ratios
 
 SHAPES = ("2x16x64x4", "4x32x64x4", "8x32x64x4", "4x64x64x4", "16x32x64x4", "8x64x64x4", "4x64x128x8")

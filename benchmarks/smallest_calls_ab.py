@@ -28,6 +28,7 @@ from io import BytesIO
 from pathlib import Path
 
 import torch
+from _script import parse_script_arguments, script_parser
 from torch import nn
 
 from slim_mha import SlimMultiheadAttention
@@ -35,7 +36,6 @@ from slim_mha.bench.matrix.cases import parse_shape
 from slim_mha.bench.matrix.contenders import case_masks
 from slim_mha.bench.measure.allocator import allocator_state
 from slim_mha.bench.measure.load import competing_load
-from slim_mha.bench.measure.options import parse_script_arguments, script_parser
 from slim_mha.bench.measure.timing import Settings, measure, median_of_ratios
 
 SHAPES = ("2x16x64x4",)

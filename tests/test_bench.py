@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 import time
 from dataclasses import replace
 
@@ -16,7 +15,6 @@ from slim_mha.bench import __main__ as bench
 from slim_mha.bench.matrix import command as run_command
 from slim_mha.bench.matrix import report
 from slim_mha.bench.matrix.cases import TARGET_SHAPES, build_matrix
-from slim_mha.bench.measure import output
 from slim_mha.bench.measure.load import competing_load
 from slim_mha.bench.scale import command as scale_command
 
@@ -130,23 +128,6 @@ def test_table_fits_120_columns_at_the_widest_case():
     assert "* MISMATCH" in table and "fp16" in table
 
 
-def test_plot_is_skipped_with_a_note_without_matplotlib(capsys, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    payload, out = run_bench(capsys, tmp_path, "--mode", "inference", "--attention", "self", "--need-weights", "false")
-    assert "plot skipped: matplotlib is not installed" in out
-    assert any("plot skipped" in note for note in payload["notes"])
-
-
-def test_plot_covers_every_case_run(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    plot = tmp_path / "speedup.png"
-    payload, out = run_bench(
-        capsys, tmp_path, "--seq-len", "8,16", "--mode", "inference,train", "--attention", "self", "--plot", str(plot)
-    )
-    assert len(payload["cases"]) == 8 and f"plot written to {plot} (8 cases)" in out
-    assert plot.stat().st_size > 0
-
-
 def test_busy_processes_run_during_the_block_and_are_stopped_after_it():
     with competing_load(2, max_seconds=60) as pids:
         assert len(pids) == 2 and all(_running(pid) for pid in pids)
@@ -189,23 +170,6 @@ def test_busy_run_records_the_load_and_says_so(capsys, tmp_path):
     )
     assert payload["settings"]["busy_processes"] == 1
     assert "beside 1 busy processes" in out and "ran beside 1 competing busy process (--busy)" in out
-
-
-def test_missing_equivariance_mode_is_skipped_with_a_note(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_command, "equivariance_support", lambda: "train-equivariance skipped: not in this build")
-    payload, out = run_bench(
-        capsys,
-        tmp_path,
-        "--mode",
-        "train,train-equivariance",
-        "--attention",
-        "self",
-        "--need-weights",
-        "false",
-        "--no-plot",
-    )
-    assert [result["case"]["mode"] for result in payload["cases"]] == ["train"]
-    assert "train-equivariance skipped" in out
 
 
 def test_quick_matrix_holds_the_target_shapes_in_every_mode():
@@ -303,23 +267,6 @@ def test_run_refuses_more_blocks_than_rows(capsys):
         bench.main(["run", "--shape", "2x16x32x4", "--blocks", "17"])
     assert exit_info.value.code == 2
     assert "--blocks must be at most every case's sequence length, got 17" in capsys.readouterr().err
-
-
-def test_memory_axis_ticks_are_plain_mib():
-    matplotlib = pytest.importorskip("matplotlib")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots()
-    axis.bar([0, 1], [0.5, 60.0])
-    axis.set_yscale("log")
-    output.plain_mib_ticks(axis.yaxis)
-    axis.set_ylim(0.3, 100)
-    figure.canvas.draw()
-    labels = {label.get_text() for label in axis.get_yticklabels() if label.get_text()}
-    plt.close(figure)
-    assert {"0.5", "1", "2", "5", "10", "20", "50", "100"} <= labels
-    assert not any("10^" in label or "times" in label or "×" in label for label in labels), labels
 
 
 def test_a_peak_a_few_bytes_above_stocks_is_reported_in_bytes_not_rounded_to_a_ratio_of_one():

@@ -470,7 +470,7 @@ def test_scale_entry_point_writes_json_markdown_and_plot(tmp_path, capsys, monke
     "argv, message",
     [
         (["--tokens", "0,64"], "--tokens: token counts must be positive integers"),
-        (["--shape", "cube"], "argument --shape: unknown cube; choose from point-cloud, transformer"),
+        (["--shape", "cube"], "argument --shape: unknown 'cube'; choose from point-cloud, transformer"),
         (["--memory-cap", "4XB"], "argument --memory-cap: '4XB' is not a positive size such as 4GiB or 512MiB"),
         (["--memory-cap", "1GiB", "--no-memory-cap"], "--memory-cap and --no-memory-cap contradict each other"),
     ],
@@ -487,3 +487,20 @@ def test_dry_run_lists_the_curves(capsys):
     out = capsys.readouterr().out
     assert out.startswith("16 curves x 4 token counts on cpu (memory cap 2,048 MiB):")
     assert "  slim transformer train +mask: N = 1,024, 8,192, 32,768, 100,000" in out
+
+
+def test_memory_axis_ticks_are_plain_mib():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    axis.bar([0, 1], [0.5, 60.0])
+    axis.set_yscale("log")
+    scale_report.plain_mib_ticks(axis.yaxis)
+    axis.set_ylim(0.3, 100)
+    figure.canvas.draw()
+    labels = {label.get_text() for label in axis.get_yticklabels() if label.get_text()}
+    plt.close(figure)
+    assert {"0.5", "1", "2", "5", "10", "20", "50", "100"} <= labels
+    assert not any("10^" in label or "times" in label or "×" in label for label in labels), labels

@@ -23,23 +23,22 @@ from ..measure.options import (
     AddsArguments,
     add_device_option,
     add_timing_options,
+    check_bounds,
+    comma_list,
     resolve_device,
     subcommand,
     timing_settings,
 )
 from ..measure.output import write_json
 from .cases import DTYPES, MASKINGS, MODES, build_matrix, parse_shape
-from .contenders import equivariance_support
 from .report import (
     evaluate_targets,
     format_markdown,
-    format_profiles,
     format_summary,
     format_table,
     format_targets,
     is_stalled,
     paired_ratio,
-    plot_speedup,
 )
 from .runner import CaseOptions, run_case
 
@@ -60,13 +59,6 @@ examples:
 """
 
 
-def _csv(kind):
-    def parse(text: str) -> list:
-        return [kind(item) for item in text.split(",") if item.strip()]
-
-    return parse
-
-
 def add_options(parser: AddsArguments) -> None:
     """The run's options, on the ``run`` subcommand and on the bare command (the run is the default)."""
     parser.add_argument("--full", action="store_true", help="run the whole matrix instead of the quick one")
@@ -79,19 +71,25 @@ def add_options(parser: AddsArguments) -> None:
     )
     parser.add_argument(
         "--dtype",
-        type=_csv(str),
+        type=comma_list(str, DTYPES),
         help="comma list of fp32, bf16, fp16, bf16-autocast (fp32 modules under autocast; default: fp32 on CPU, bf16,fp16 on CUDA)",
     )
     parser.add_argument(
         "--shape", action="append", metavar="BxLxExH", help="batch x seq_len x embed_dim x heads; repeatable"
     )
-    parser.add_argument("--seq-len", type=_csv(int), metavar="L,L,...", help="sweep these lengths for every shape")
-    parser.add_argument("--mode", type=_csv(str), metavar="MODE,...", help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--attention", type=_csv(str), metavar="KIND,...", help="comma list of self, cross")
+    parser.add_argument(
+        "--seq-len", type=comma_list(int), metavar="L,L,...", help="sweep these lengths for every shape"
+    )
+    parser.add_argument(
+        "--mode", type=comma_list(str, MODES), metavar="MODE,...", help=f"comma list of {', '.join(MODES)}"
+    )
+    parser.add_argument(
+        "--attention", type=comma_list(str, ("self", "cross")), metavar="KIND,...", help="comma list of self, cross"
+    )
     parser.add_argument("--need-weights", choices=("both", "true", "false"), help="default: both")
     parser.add_argument(
         "--masks",
-        type=_csv(str),
+        type=comma_list(str, MASKINGS),
         metavar="MASKS,...",
         help="comma list of none, padding (the last quarter of the keys of every other row), causal, both; "
         "bool, self-attention only",
@@ -110,8 +108,7 @@ def add_options(parser: AddsArguments) -> None:
         "--equivariance-every", type=int, metavar="N", help="sampling of the equivariance check, if slim offers one"
     )
     parser.add_argument("--json", type=Path, help="results file (default: bench-out/slim_mha_bench_<device>.json)")
-    parser.add_argument("--plot", type=Path, help="speed-up plot (default: the JSON path with .png)")
-    parser.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # older scripts: no plot is drawn
     parser.add_argument(
         "--markdown", type=Path, help="the full table and targets as markdown (default: the JSON path with .md)"
     )
@@ -128,14 +125,7 @@ def add_options(parser: AddsArguments) -> None:
         default=1800.0,
         help="the busy processes end by themselves after this many seconds at most (default: 1800)",
     )
-    parser.add_argument(
-        "--targets",
-        action="store_true",
-        help="accepted for older scripts: the targets and their verdicts are always printed",
-    )
-    parser.add_argument(
-        "--profile", action="store_true", help="also profile each contender (torch.profiler) and print its top ops"
-    )
+    parser.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)  # older scripts: always printed
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -172,28 +162,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for dtype in args.dtype or ():
-        if dtype not in DTYPES:
-            parser.error(f"--dtype: unknown {dtype!r}; choose from {', '.join(DTYPES)}")
-    for mode in args.mode or ():
-        if mode not in MODES:
-            parser.error(f"--mode: unknown {mode!r}; choose from {', '.join(MODES)}")
-    for attention in args.attention or ():
-        if attention not in ("self", "cross"):
-            parser.error(f"--attention: unknown {attention!r}; choose from self, cross")
-    for masking in args.masks or ():
-        if masking not in MASKINGS:
-            parser.error(f"--masks: unknown {masking!r}; choose from {', '.join(MASKINGS)}")
     if args.busy < 0 or args.busy > 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
-    if args.busy_max_s <= 0:
-        parser.error(f"--busy-max-s must be positive, got {args.busy_max_s}")
-    if args.equivariance_every is not None and args.equivariance_every < 1:
-        parser.error(f"--equivariance-every must be at least 1, got {args.equivariance_every}")
+    check_bounds(parser, args, {"equivariance_every": 1, "blocks": 0}, positive=("busy_max_s",))
     if any(length <= 0 for length in args.seq_len or ()):
         parser.error("--seq-len: lengths must be positive integers")
-    if args.blocks < 0:
-        parser.error(f"--blocks must be at least 0, got {args.blocks}")
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> tuple[list, list[str]]:
@@ -219,10 +192,6 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: tor
     if any(args.blocks > case.seq_len for case in cases):
         parser.error(f"--blocks must be at most every case's sequence length, got {args.blocks}")
     notes = []
-    missing_equivariance = equivariance_support()
-    if missing_equivariance and any(case.mode == "train-equivariance" for case in cases):
-        cases = [case for case in cases if case.mode != "train-equivariance"]
-        notes.append(missing_equivariance)
     if device.type == "cpu" and any(case.seq_len > 1024 for case in cases):
         notes.append("note: sequence lengths above 1024 on CPU are slow; the CPU matrix stops at 1024")
     return cases, notes
@@ -231,7 +200,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace, device: tor
 def _run_cases(cases: list, device: torch.device, args: argparse.Namespace, payload: dict, json_path: Path) -> None:
     """Run every case in order, saving the JSON after each so that a cut-short run keeps its cases."""
     settings = timing_settings(args.parser, args, device, full=args.full)
-    options = CaseOptions(args.equivariance_every, args.profile, args.compile, args.one_pass, args.blocks)
+    options = CaseOptions(args.equivariance_every, args.compile, args.one_pass, args.blocks)
     started = time.perf_counter()
     for index, case in enumerate(cases, 1):
         if args.time_budget_s is not None and time.perf_counter() - started > args.time_budget_s:
@@ -368,8 +337,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     checks = evaluate_targets(payload["cases"], device.type, busy=args.busy)
     payload["targets"] = [check.as_dict() for check in checks]
-    if not args.no_plot:
-        notes.append(plot_speedup(payload["cases"], args.plot or json_path.with_suffix(".png")))
     load_note = _busy_machine_note(payload["cases"], args.busy) if device.type == "cpu" else None
     if load_note:
         notes.append(load_note)
@@ -380,8 +347,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     print(format_table(payload["cases"]))
     print(format_summary(payload["cases"]))
-    if args.profile:
-        print(format_profiles(payload["cases"]))
     print(format_targets(checks))  # the same verdicts, in the same words, as the markdown file
     print("\n".join(notes))
     print(f"results ({payload['elapsed_s']:.0f} s): {json_path}\nfull table and targets: {markdown_path}")

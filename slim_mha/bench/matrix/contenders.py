@@ -43,7 +43,6 @@ __all__ = [
     "build_contenders",
     "slim_variants",
     "case_masks",
-    "equivariance_support",
     "fast_path_enabled",
     "output_error",
 ]
@@ -81,24 +80,11 @@ def fast_path_enabled(enabled: bool) -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
-def equivariance_support() -> str | None:
-    """``None`` when slim has the equivariance assertion mode, else a note saying why it is skipped."""
-    probe = SlimMultiheadAttention(8, 2)
-    if hasattr(probe, "check_equivariance"):
-        return None
-    return (
-        "train-equivariance skipped: this SlimMultiheadAttention has no `check_equivariance` "
-        "attribute yet (the equivariance assertion mode is not in this build)"
-    )
-
-
 def _set_equivariance_check(module: SlimMultiheadAttention, on: bool, every: int | None) -> None:
     """On for the equivariance mode; explicitly off otherwise, so neither ``SLIM_MHA_CHECK_EQUIVARIANCE``
     nor an enclosing ``checking_equivariance()`` scope can switch it on behind the benchmark's back."""
-    if not hasattr(module, "check_equivariance"):
-        return
     module.check_equivariance = on
-    if on and every is not None and hasattr(module, "check_equivariance_every"):
+    if on and every is not None:
         module.check_equivariance_every = every
 
 
@@ -149,14 +135,6 @@ def _floor_forward(
         averaged = None
     out = out.transpose(1, 2).reshape(batch, length, width)  # (B, L, E)
     return F.linear(out, out_weight, out_bias), averaged
-
-
-def _clear_grads(tensors: list[Tensor]) -> Callable[[], None]:
-    def reset() -> None:
-        for tensor in tensors:
-            tensor.grad = None
-
-    return reset
 
 
 def case_masks(masks: str, batch: int, length: int, device: torch.device) -> dict[str, Tensor]:
@@ -231,9 +209,14 @@ def build_contenders(
         else:
             module = stock if name == "stock" else slim
             forward = lambda: module(query, key, key, need_weights=case.need_weights, **mask_arguments)  # noqa: E731
-        if case.dtype in AUTOCAST:  # fp32 modules, each call under autocast
-            return _under_autocast(forward, device.type, AUTOCAST[case.dtype])
-        return forward
+        if case.dtype not in AUTOCAST:
+            return forward
+
+        def autocast_forward() -> tuple[Tensor, Tensor | None]:  # fp32 modules, each call under autocast
+            with torch.autocast(device.type, dtype=AUTOCAST[case.dtype]):
+                return forward()
+
+        return autocast_forward
 
     floors = {"sdpa" if not case.need_weights else "explicit product": forward_of("floor")}
     fast_path = case.mode == "inference" and memory is None and masks == "none" and case.dtype not in AUTOCAST
@@ -312,15 +295,21 @@ def _contender(
     kind: str,
 ) -> Contender:
     """One contender's timed step: forward (and backward into ``grad_out`` when it trains)."""
-    return Contender(
-        name=name,
-        step=_training_step(forward, grad_out) if trains else _inference_step(forward),
-        forward=forward,
-        parameters=parameters,
-        reset=_clear_grads(parameters + inputs) if trains else (lambda: None),
-        external=inputs + [grad_out],
-        kind=kind,
-    )
+
+    def infer() -> None:
+        with torch.inference_mode():
+            forward()
+
+    def train() -> None:
+        out, _ = forward()
+        out.backward(grad_out.to(out.dtype))  # autocast's output is bf16: the gradient follows it
+
+    def clear_grads() -> None:
+        for tensor in parameters + inputs:
+            tensor.grad = None
+
+    step, reset = (train, clear_grads) if trains else (infer, lambda: None)
+    return Contender(name, step, forward, parameters, reset, inputs + [grad_out], kind)
 
 
 def _modules(
@@ -335,16 +324,6 @@ def _modules(
     for module in (stock, slim):
         module.train(case.trains)
     return stock, slim
-
-
-def _under_autocast(
-    forward: Callable[[], tuple[Tensor, Tensor | None]], device_type: str, dtype: torch.dtype
-) -> Callable[[], tuple[Tensor, Tensor | None]]:
-    def autocast_forward() -> tuple[Tensor, Tensor | None]:
-        with torch.autocast(device_type, dtype=dtype):
-            return forward()
-
-    return autocast_forward
 
 
 def _fastest_floor(floors: dict[str, Callable[[], tuple[Tensor, Tensor | None]]], calls: int = 5) -> str:
@@ -364,22 +343,6 @@ def _fastest_floor(floors: dict[str, Callable[[], tuple[Tensor, Tensor | None]]]
                 times.append(time.perf_counter() - began)
             best[name] = min(times)
     return min(best, key=lambda name: best[name])
-
-
-def _inference_step(forward: Callable[[], tuple[Tensor, Tensor | None]]) -> Callable[[], None]:
-    def step() -> None:
-        with torch.inference_mode():
-            forward()
-
-    return step
-
-
-def _training_step(forward: Callable[[], tuple[Tensor, Tensor | None]], grad_out: Tensor) -> Callable[[], None]:
-    def step() -> None:
-        out, _ = forward()
-        out.backward(grad_out.to(out.dtype))  # autocast's output is bf16: the gradient follows it
-
-    return step
 
 
 def output_error(reference: tuple[Tensor, Tensor | None], other: tuple[Tensor, Tensor | None]) -> float:

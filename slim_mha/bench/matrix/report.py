@@ -1,24 +1,21 @@
-"""Turning results into a terminal table, a target verdict, a JSON file and a speed-up plot."""
+"""Turning results into a terminal table, a target verdict and a markdown file."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from ..measure.output import excess_text, mib_text, plain_mib_ticks
+from ..measure.output import excess_text, mib_text
 from .runner import TOLERANCE
 
 __all__ = [
     "TargetCheck",
     "evaluate_targets",
     "format_markdown",
-    "format_profiles",
     "format_summary",
     "format_table",
     "format_targets",
     "paired_ratio",
     "ratio_text",
-    "plot_speedup",
 ]
 
 _MIB = 1024 * 1024
@@ -189,25 +186,6 @@ def format_summary(results: list[dict]) -> str:
         f"{worst['relative_error']['slim']:.1e} ({worst['case']['dtype']} tolerance {TOLERANCE[worst['case']['dtype']]:.0e})"
     )
     return "\n".join(lines)
-
-
-def format_profiles(results: list[dict]) -> str:
-    """Top ops by self time per contender, for the cases profiled with ``--profile``."""
-    blocks = []
-    for result in results:
-        if not result.get("profile"):
-            continue
-        lines = [f"profile: {' '.join(result['name'].split())} (per step; self time)"]
-        for name, rows in result["profile"].items():
-            memory = result["memory"][name]
-            allocated = memory.get("allocated_bytes")
-            extra = f", {allocated / _MIB:.1f} MiB allocated" if allocated is not None else ""
-            lines.append(f"  {name}: {memory.get('aten_calls')} aten calls{extra}")
-            for row in rows:
-                device = f" {row['self_device_ms']:8.2f} ms device" if row["self_device_ms"] else ""
-                lines.append(f"    {row['op'][:44]:<44} {row['self_cpu_ms']:8.2f} ms cpu{device}  x{row['calls']:g}")
-        blocks.append("\n".join(lines))
-    return "\n".join(blocks)
 
 
 def format_markdown(payload: dict) -> str:
@@ -381,113 +359,3 @@ def format_targets(checks: list[TargetCheck]) -> str:
         if check.explanation:
             lines.append(f"        why: {check.explanation}")
     return "\n".join(lines)
-
-
-_MODE_COLOURS = {"inference": "C0", "train": "C1", "train-equivariance": "C2"}
-_LEGEND_TITLE = "B batch, L sequence length, E embed dim, H heads; w: need_weights=True"
-
-
-def _paired_spread(result: dict, ratio: float) -> tuple[float, float]:
-    """The per-repeat ratio's quartiles, held to include the ratio of medians the point shows."""
-    paired = result.get("paired_ratios", {}).get("stock_over_slim")
-    if paired is None:
-        return ratio, ratio
-    low, high = paired["quartiles"]
-    return min(low, ratio), max(high, ratio)
-
-
-def plot_speedup(results: list[dict], path: Path) -> str:
-    """One figure over every case run: speed ratios on top, peak memory below; returns a one-line note.
-
-    Top: stock/slim per case (ratio of medians, bars from the per-repeat ratios' quartiles), coloured by mode, with
-    the floor's stock/floor beside it (the most any implementation of the same ops could reach
-    there) and lines at parity and at 0.97x. Bottom: peak MiB of stock, slim and the floor.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "plot skipped: matplotlib is not installed (pip install 'slim-mha[bench]')"
-    if not results:
-        return "plot skipped: no case was run"
-
-    count = len(results)
-    dtypes = {result["case"]["dtype"] for result in results}
-    positions = list(range(count))
-    figure, (speed, memory) = plt.subplots(
-        2, 1, figsize=(max(13.0, min(0.5 * count + 4.0, 52.0)), 9.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
-    )
-    _plot_speed(speed, results)
-    _plot_memory(memory, results)
-    labels = [
-        f"{result['case']['mode']} {result['case']['attention']}{' w' if result['case']['need_weights'] else ''}\n"
-        f"B={result['case']['batch']} L={result['case']['seq_len']}\nE={result['case']['embed_dim']} "
-        f"H={result['case']['num_heads']}" + (f" {result['case']['dtype']}" if len(dtypes) > 1 else "")
-        for result in results
-    ]
-    memory.set_xticks(
-        positions,
-        labels,
-        rotation=90 if count > 16 else 45,
-        ha="right" if count <= 16 else "center",
-        fontsize=7 if count > 16 else 8,
-    )
-    memory.set_xlabel("case (mode, attention, shape)" + ("" if len(dtypes) > 1 else f", {next(iter(dtypes))}"))
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return f"plot written to {path} ({count} cases)"
-
-
-def _plot_speed(speed, results: list[dict]) -> None:
-    """stock/slim per case with its paired quartiles, coloured by mode; stock/floor beside it; parity lines."""
-    count, positions = len(results), list(range(len(results)))
-    for mode, colour in _MODE_COLOURS.items():
-        chosen = [
-            index for index, result in enumerate(results) if result["case"]["mode"] == mode and not is_stalled(result)
-        ]
-        if not chosen:
-            continue
-        ratios = [results[index]["ratios"]["stock_over_slim"] for index in chosen]
-        spreads = [_paired_spread(results[index], ratio) for index, ratio in zip(chosen, ratios)]
-        errors = [
-            [ratio - low for ratio, (low, _) in zip(ratios, spreads)],
-            [high - ratio for ratio, (_, high) in zip(ratios, spreads)],
-        ]
-        speed.errorbar(chosen, ratios, yerr=errors, fmt="o", color=colour, capsize=3, label=f"stock/slim, {mode}")
-    floors = [result["ratios"]["stock_over_floor"] for result in results]
-    speed.scatter(positions, floors, marker="_", s=300, color="black", label="stock/floor (bare ops: the bound)")
-    speed.axhline(1.0, color="grey", linewidth=1, label="1.0: as fast as stock")
-    speed.axhline(0.97, color="red", linewidth=1, linestyle="--", label="0.97: never notably slower")
-    speed.set_ylabel("stock time / slim time (above 1: slim faster)")
-    speed.set_title(f"slim against stock over {count} cases, allocator warm (ratio of medians; bars: paired IQR)")
-    speed.grid(axis="y", alpha=0.3)
-    speed.legend(
-        title=_LEGEND_TITLE.replace("; ", "\n"),
-        fontsize=8,
-        title_fontsize=8,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-    )
-
-
-def _plot_memory(memory, results: list[dict]) -> None:
-    """Peak MiB of stock, slim and the floor per case, side by side, on a log scale."""
-    positions = list(range(len(results)))
-    bar = 0.27
-    styles = {
-        "stock": {"color": "0.55"},
-        "slim": {"color": "C0"},
-        "floor": {"color": "white", "edgecolor": "0.3", "hatch": "//"},
-    }
-    for offset, (name, style) in zip((-bar, 0.0, bar), styles.items()):
-        peaks = [result["memory"][name]["peak_bytes"] / _MIB for result in results]
-        memory.bar([index + offset for index in positions], peaks, width=bar, label=f"{name} peak", **style)
-    memory.set_ylabel("peak memory above the inputs (MiB)")
-    memory.set_yscale("log")
-    plain_mib_ticks(memory.yaxis)
-    memory.grid(axis="y", alpha=0.3)
-    memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))

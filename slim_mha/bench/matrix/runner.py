@@ -20,7 +20,6 @@ from ..measure.memory import (
     profile_step,
     saved_tensor_bytes,
     took_native_fast_path,
-    top_ops,
 )
 from ..measure.timing import Settings, measure, median_of_ratios, quartiles_of_ratios
 from .cases import Case
@@ -51,7 +50,6 @@ class CaseOptions:
     """
 
     equivariance_every: int | None = None
-    profile_ops: bool = False
     compile_backend: str | None = None
     one_pass: bool = False
     blocks: int = 0
@@ -79,7 +77,6 @@ def run_case(case: Case, device: torch.device, settings: Settings, options: Case
         ratios=(*against_stock, ("slim", "floor"), ("stock", "floor")),
         spreads=(*against_stock, ("slim", "floor")),
     )
-    profile = {name: top_ops(c.step, c.reset) for name, c in contenders.items()} if options.profile_ops else None
     return {
         "case": case.as_dict(),
         "name": case.name,
@@ -90,7 +87,6 @@ def run_case(case: Case, device: torch.device, settings: Settings, options: Case
         "agrees": max(errors.values()) <= TOLERANCE[case.dtype],
         **timed,
         "memory": memory,
-        "profile": profile,
         **(
             {
                 "compile_backend": options.compile_backend,

@@ -39,7 +39,6 @@ __all__ = [
     "profile_step",
     "saved_tensor_bytes",
     "took_native_fast_path",
-    "top_ops",
 ]
 
 _NATIVE_FAST_PATH = "aten::_native_multi_head_attention"
@@ -171,31 +170,3 @@ def adam_state_bytes(parameters: list[Tensor]) -> int:
         for value in state.values()
         if isinstance(value, Tensor)
     )
-
-
-def top_ops(step: Callable[[], None], reset: Callable[[], None], *, steps: int = 3, limit: int = 8) -> list[dict]:
-    """The ops with the most self time over ``steps`` profiled steps, per step (ms and calls)."""
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with warnings.catch_warnings(), _profiler_chatter_silenced():
-        warnings.simplefilter("ignore")
-        with profile(activities=activities) as profiler:
-            for _ in range(steps):
-                reset()
-                step()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-    rows = []
-    for event in profiler.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0) or 0
-        rows.append(
-            {
-                "op": event.key,
-                "self_cpu_ms": event.self_cpu_time_total / 1e3 / steps,
-                "self_device_ms": device_us / 1e3 / steps,
-                "calls": event.count / steps,
-            }
-        )
-    rows.sort(key=lambda row: max(row["self_cpu_ms"], row["self_device_ms"]), reverse=True)
-    return rows[:limit]

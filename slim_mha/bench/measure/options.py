@@ -1,9 +1,9 @@
-"""Options that the benchmark's subcommands share (the device and the timing settings), and those of
-the scripts in ``benchmarks/``."""
+"""Options that the benchmark's subcommands share: the device and the timing settings."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -14,9 +14,9 @@ __all__ = [
     "AddsArguments",
     "add_device_option",
     "add_timing_options",
-    "parse_script_arguments",
+    "check_bounds",
+    "comma_list",
     "resolve_device",
-    "script_parser",
     "timing_settings",
     "device_and_settings",
     "subcommand",
@@ -35,6 +35,32 @@ class AddsArguments(Protocol):
     """What the option helpers need of a parser: ``add_argument`` (a parser, or a wrapper around one)."""
 
     def add_argument(self, *names: str, **options: Any) -> argparse.Action: ...
+
+
+def comma_list(kind: Callable[[str], Any] = str, choices: Iterable[str] | None = None) -> Callable[[str], list]:
+    """An option's ``type``: ``"a,b"`` -> ``[kind("a"), kind("b")]``, each one of ``choices`` when given."""
+    allowed = None if choices is None else tuple(choices)
+
+    def parse(text: str) -> list:
+        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
+        bad = [item for item in items if allowed is not None and item not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad[0]!r}; choose from {', '.join(allowed or ())}")
+        return items
+
+    return parse
+
+
+def check_bounds(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, least: dict[str, float], positive: tuple[str, ...] = ()
+) -> None:
+    """A one-line error through ``parser`` for an option below its ``least`` value, or not above 0 where
+    it is named in ``positive``; options left unset (``None``) pass."""
+    for name, bound in [*least.items(), *((name, 0) for name in positive)]:
+        value = getattr(args, name, None)
+        if value is not None and (value <= bound if name in positive else value < bound):
+            rule = "positive" if name in positive else f"at least {bound}"
+            parser.error(f"--{name.replace('_', '-')} must be {rule}, got {value}")
 
 
 def add_device_option(parser: AddsArguments) -> None:
@@ -72,10 +98,7 @@ def timing_settings(
     parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device, *, full: bool = False
 ) -> Settings:
     """The timing settings from the options, after checking them (one-line errors through ``parser``)."""
-    for name, least in (("repeats", 1), ("warmup", 0), ("cold_repeats", 0), ("threads", 1)):
-        value = getattr(args, name, None)
-        if value is not None and value < least:
-            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    check_bounds(parser, args, {"repeats": 1, "warmup": 0, "cold_repeats": 0, "threads": 1})
     repeats, min_repeats, min_sample_s, max_case_s = _SETTINGS[(device.type, full)]
     repeats = args.repeats or repeats
     return Settings(
@@ -103,29 +126,3 @@ def device_and_settings(args: argparse.Namespace, *, full: bool = False) -> tupl
     if args.threads:
         torch.set_num_threads(args.threads)
     return device, settings
-
-
-def script_parser(description: str, shapes: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The options every script in ``benchmarks/`` takes: ``--repeats``, ``--threads``, ``--busy`` and
-    ``--shape`` (repeatable, ``shapes`` by default); a script adds its own before parsing."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--busy", type=int, default=0, metavar="N", help="run beside N busy processes (default: 0)")
-    parser.add_argument(
-        "--shape", action="append", metavar="BxLxExH", help=f"repeatable (default: {', '.join(shapes)})"
-    )
-    return parser
-
-
-def parse_script_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """Parse, check ``--busy``, set torch's threads and print the run's settings line."""
-    args = parser.parse_args()
-    if not 0 <= args.busy <= 64:
-        parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
-    torch.set_num_threads(args.threads)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats, allocator warm, "
-        f"busy {args.busy}"
-    )
-    return args

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["excess_text", "mib_text", "plain_mib_ticks", "write_json"]
+__all__ = ["excess_text", "mib_text", "write_json"]
 
 _MIB = 1024 * 1024
 
@@ -25,16 +25,3 @@ def write_json(path: Path, payload: dict) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(payload, indent=1))
     temporary.replace(path)  # a run cut short never leaves half a file behind
-
-
-def plain_mib_ticks(axis) -> None:
-    """Plain numbers on a log axis of MiB (0.5, 2, 60), where matplotlib would write 6x10^1."""
-    from matplotlib.ticker import (  # the optional bench extra
-        FuncFormatter,
-        LogLocator,
-        NullFormatter,
-    )
-
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(NullFormatter())

@@ -28,9 +28,8 @@ Output: JSON, a Markdown report (tables, the largest N each contender handled, m
 N) and a log-log plot of time and memory against N.
 
 The sweep is split as the rest of the benchmark is: the cases and settings here, the child's
-measurement in ``child`` (time) and ``memory`` (peak and cap), the sweep's order and
-budgets in ``sweep``, the tables in ``report``, the plot in ``plot`` and the
-command line in ``command``.
+measurement in ``child`` (time, peak and cap), the sweep's order and budgets in ``sweep``, the tables
+and the plot in ``report`` and the command line in ``command``.
 """
 
 from __future__ import annotations

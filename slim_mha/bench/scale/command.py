@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..measure.environment import describe_environment, load_averages
-from ..measure.options import subcommand
+from ..measure.options import add_device_option, check_bounds, comma_list, resolve_device, subcommand
 from ..measure.output import write_json
 from .cases import (
     BUDGETS,
@@ -23,9 +23,8 @@ from .cases import (
     Settings,
     build_series,
 )
-from .memory import default_memory_cap
-from .plot import plot_scale
-from .report import fit_line, format_cell, format_markdown, format_mib, format_table
+from .child import default_memory_cap
+from .report import fit_line, format_cell, format_markdown, format_mib, format_table, plot_scale
 from .sweep import run_sweep
 
 __all__ = ["add_parser", "run"]
@@ -38,17 +37,6 @@ examples:
   python -m slim_mha.bench scale --memory-cap 4GiB --json out/scale.json
   python -m slim_mha.bench scale --dry-run    # list the cases without running them
 """
-
-
-def _csv(choices=None, kind=str):
-    def parse(text: str) -> list:
-        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
-        bad = [item for item in items if choices is not None and item not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}")
-        return items
-
-    return parse
 
 
 def _bytes(text: str) -> int:
@@ -77,19 +65,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         examples=_EXAMPLES,
     )
     parser.set_defaults(handler=run, parser=parser)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available")
+    add_device_option(parser)
     parser.add_argument(
         "--tokens",
-        type=_csv(kind=int),
+        type=comma_list(int),
         metavar="N,N,...",
         help="token counts (default: 1k to 100k on CPU, to 1M on CUDA)",
     )
     parser.add_argument(
-        "--shape", type=_csv(tuple(SHAPES)), metavar="NAME,...", help=f"comma list of {', '.join(SHAPES)}"
+        "--shape", type=comma_list(str, SHAPES), metavar="NAME,...", help=f"comma list of {', '.join(SHAPES)}"
     )
-    parser.add_argument("--mode", type=_csv(MODES), metavar="MODE,...", help="comma list of inference, train")
+    parser.add_argument(
+        "--mode", type=comma_list(str, MODES), metavar="MODE,...", help="comma list of inference, train"
+    )
     parser.add_argument("--padding-mask", choices=("both", "with", "without"), default="both")
-    parser.add_argument("--contender", type=_csv(CONTENDERS), metavar="NAME,...", help="comma list of stock, slim")
+    parser.add_argument(
+        "--contender", type=comma_list(str, CONTENDERS), metavar="NAME,...", help="comma list of stock, slim"
+    )
     parser.add_argument("--batch", type=int, default=1, help="sequences per call (default: 1)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument(
@@ -123,15 +115,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _settings_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available to this torch; use --device cpu")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    for name in ("batch", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ("budget_s", "case_budget_s", "case_timeout_s"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    device = resolve_device(parser, args.device).type
+    check_bounds(parser, args, {"batch": 1, "threads": 1}, positive=("budget_s", "case_budget_s", "case_timeout_s"))
     if any(n < 1 for n in args.tokens or ()):
         parser.error("--tokens: token counts must be positive integers")
     if args.memory_cap is not None and args.no_memory_cap:
