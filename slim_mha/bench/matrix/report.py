@@ -47,10 +47,6 @@ class TargetCheck:
         return {**asdict(self), "passed": self.passed}
 
 
-def _ms(summary: dict) -> str:
-    return f"{summary['median_ms']:9.2f} ±{summary['iqr_over_median'] * 50:3.0f}%"
-
-
 def ratio_text(result: dict, key: str) -> str:
     """The ratio of the medians, then the per-repeat paired median and its quartiles when recorded:
     ``1.02x (paired 1.03x, 0.97-1.08)``."""

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -66,29 +66,13 @@ class Summary:
     remeasured: bool = False  # a sample stalled, so the case was measured again
     stalled: bool = False  # still stalled after that: the median is not a measurement
 
-    def stalled_samples(self) -> int:
-        return sum(sample > STALL_FACTOR * self.best_ms for sample in self.samples_ms) if self.best_ms else 0
-
     @property
     def spread(self) -> float:
         """Interquartile range relative to the median."""
         return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms else 0.0
 
     def as_dict(self) -> dict:
-        return {
-            "median_ms": self.median_ms,
-            "q1_ms": self.q1_ms,
-            "q3_ms": self.q3_ms,
-            "min_ms": self.min_ms,
-            "max_ms": self.max_ms,
-            "iqr_over_median": self.spread,
-            "calls_per_sample": self.calls_per_sample,
-            "faults_per_call": self.faults_per_call,
-            "best_ms": self.best_ms,
-            "remeasured": self.remeasured,
-            "stalled": self.stalled,
-            "samples_ms": self.samples_ms,
-        }
+        return {**asdict(self), "iqr_over_median": self.spread}
 
 
 def summarize(samples_s: list[float], calls_per_sample: int, faults: list[int] | None = None) -> Summary:
