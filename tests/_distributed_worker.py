@@ -85,10 +85,12 @@ def train_reference(world_size: int) -> Model:
     return model
 
 
-def join_group(rank: int, world_size: int, port: int) -> None:
+def join_group(rank: int, world_size: int, out_dir: Path) -> None:
+    """Rendezvous through a file in the run's own folder: a port chosen by the parent could be taken by
+    another process before rank 0 listens on it."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=TIMEOUT
+        "gloo", init_method=f"file://{out_dir / 'rendezvous'}", rank=rank, world_size=world_size, timeout=TIMEOUT
     )
 
 
@@ -319,9 +321,9 @@ def fsdp2_deferred_init_and_gradients_as_stock(rank: int, world_size: int, out_d
         (out_dir / "fsdp2-idioms.ok").write_text("ok")
 
 
-def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def run(rank: int, world_size: int, out_dir: str) -> None:
     """Every check in one process group: spawning and importing torch dominate the test's time."""
-    join_group(rank, world_size, port)
+    join_group(rank, world_size, Path(out_dir))
     try:
         train_ddp(rank, world_size, Path(out_dir))
         ddp_broadcasts_a_key_bias_written_per_rank(rank, world_size, Path(out_dir))

@@ -7,7 +7,6 @@ run; here the state dict rank 0 saved from the wrapper is loaded back into a sli
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -32,19 +31,13 @@ pytestmark = [
 ]
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """Spawn the workers once (DDP, then FSDP2) and wait at most TIMEOUT_S; a worker's exception fails."""
     out_dir = tmp_path_factory.mktemp("distributed")
     context = mp.start_processes(
         worker.run,
-        args=(WORLD_SIZE, free_loopback_port(), str(out_dir)),
+        args=(WORLD_SIZE, str(out_dir)),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",

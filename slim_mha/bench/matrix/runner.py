@@ -21,11 +21,11 @@ from ..measure.memory import (
     saved_tensor_bytes,
     took_native_fast_path,
 )
-from ..measure.timing import Settings, measure, median_of_ratios, quartiles_of_ratios
+from ..measure.timing import Settings, measure, paired_summary
 from .cases import Case
 from .contenders import Contender, build_contenders, output_error, slim_variants
 
-__all__ = ["TOLERANCE", "CaseOptions", "measure_step_memory", "run_case", "time_interleaved"]
+__all__ = ["TOLERANCE", "CaseOptions", "run_case", "time_interleaved"]
 
 # Relative error ‖slim − stock‖ / ‖stock‖ above which a case is flagged: the two compute the same
 # function, so anything past a few roundings of the dtype is a bug, not noise.
@@ -145,13 +145,7 @@ def time_interleaved(
     samples = {name: summary.samples_ms for name, summary in timings.items()}
     result["time"] = {name: summary.as_dict() for name, summary in timings.items()}
     result["ratios"] = {f"{a}_over_{b}": timings[a].median_ms / timings[b].median_ms for a, b in ratios}
-    result["paired_ratios"] = {
-        f"{a}_over_{b}": {
-            "median": median_of_ratios(samples[a], samples[b]),
-            "quartiles": quartiles_of_ratios(samples[a], samples[b]),
-        }
-        for a, b in spreads
-    }
+    result["paired_ratios"] = {f"{a}_over_{b}": paired_summary(samples[a], samples[b]) for a, b in spreads}
     return result
 
 
@@ -177,32 +171,22 @@ def _relative_errors(case: Case, contenders: dict) -> dict[str, float]:
 
 
 def _measure_memory(case: Case, contenders: dict, device: torch.device) -> tuple[dict, list[str]]:
-    """Per contender: peak, allocated and saved bytes, aten calls, parameter and Adam bytes; stock's ops."""
+    """Per contender: peak and allocated bytes, aten calls, (training) bytes saved for backward,
+    parameter and Adam bytes; and the aten ops stock ran. Gradients are reset around each step."""
     memory, stock_ops = {}, []
     for name, contender in contenders.items():
-        step_memory, op_names = measure_step_memory(contender, device, trains=case.trains)
-        if name == "stock":
-            stock_ops = op_names
+        contender.reset()
+        profiled = profile_step(contender.step, device)
+        contender.reset()
+        saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if case.trains else None
+        contender.reset()
+        stock_ops = profiled.op_names if name == "stock" else stock_ops
         memory[name] = {
-            **step_memory,
+            "peak_bytes": profiled.peak_bytes,
+            "allocated_bytes": profiled.allocated_bytes,
+            "aten_calls": profiled.op_calls,
+            "saved_bytes": saved,
             "parameter_bytes": parameter_bytes(contender.parameters),
             "adam_state_bytes": _state_bytes(case, name, contender.parameters),
         }
     return memory, stock_ops
-
-
-def measure_step_memory(contender: Contender, device: torch.device, *, trains: bool) -> tuple[dict, list[str]]:
-    """One contender's step: peak and allocated bytes, aten calls and (training) bytes saved for
-    backward, and the names of the aten ops it ran. Gradients are reset before and after."""
-    contender.reset()
-    profiled = profile_step(contender.step, device)
-    contender.reset()
-    saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if trains else None
-    contender.reset()
-    memory = {
-        "peak_bytes": profiled.peak_bytes,
-        "allocated_bytes": profiled.allocated_bytes,
-        "aten_calls": profiled.op_calls,
-        "saved_bytes": saved,
-    }
-    return memory, profiled.op_names

@@ -31,7 +31,7 @@ import torch
 
 from .allocator import minor_faults
 
-__all__ = ["STALL_FACTOR", "Settings", "Summary", "measure", "summarize"]
+__all__ = ["STALL_FACTOR", "Settings", "Summary", "measure", "median_of_ratios", "paired_summary", "summarize"]
 
 # A sample this many times slower per call than the contender's fastest call was stalled: run to run
 # a quiet or busy 2-core machine stays within 2x, and a scheduler slice stolen from a 0.1 ms call
@@ -177,10 +177,8 @@ def median_of_ratios(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-def quartiles_of_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
-    """First and third quartiles of the per-repeat ratios."""
+def paired_summary(numerator: list[float], denominator: list[float]) -> dict:
+    """The per-repeat ratios' median and first and third quartiles, as the JSON records them."""
     ratios = [a / b for a, b in zip(numerator, denominator)]
-    if len(ratios) < 2:
-        return [ratios[0], ratios[0]]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return [q1, q3]
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) >= 2 else ratios * 3
+    return {"median": statistics.median(ratios), "quartiles": [low, high]}

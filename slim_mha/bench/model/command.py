@@ -36,7 +36,7 @@ from ..measure.options import (
     subcommand,
 )
 from ..measure.output import write_json
-from ..measure.timing import Settings, measure, median_of_ratios, quartiles_of_ratios
+from ..measure.timing import Settings, measure, paired_summary
 
 __all__ = ["MODES", "ModelInputError", "ModelRun", "add_parser", "benchmark_model", "run"]
 
@@ -64,14 +64,14 @@ def _resolve(target: str, option: str) -> Callable:
         raise ModelInputError(f"{option} {target!r}: write it as MODULE:CALLABLE, e.g. torchvision.models:vit_b_16")
     try:
         value = importlib.import_module(module_name)
-    except ImportError as error:
+    except Exception as error:  # not installed, or installed but failing (built for another torch, say)
+        fix = (
+            "install it, or run from the folder that holds it"
+            if isinstance(error, ImportError)
+            else "install a build of it that matches this torch"
+        )
         raise ModelInputError(
-            f"{option} {target!r}: cannot import {module_name!r} ({error}); install it, or run from the folder that holds it"
-        ) from None
-    except Exception as error:  # installed, but its import fails (torchvision built for another torch, say)
-        raise ModelInputError(
-            f"{option} {target!r}: importing {module_name!r} failed ({type(error).__name__}: {error}); "
-            "install a build of it that matches this torch"
+            f"{option} {target!r}: importing {module_name!r} failed ({type(error).__name__}: {error}); {fix}"
         ) from None
     for part in attribute.split("."):
         if not hasattr(value, part):
@@ -249,12 +249,7 @@ def _timed(models: dict[str, nn.Module], args: tuple, modes: tuple[str, ...], se
         results[mode] = {
             "ms": {name: summary.median_ms for name, summary in summaries.items()},
             "paired": {
-                f"{a}_over_{b}": None
-                if stalled
-                else {
-                    "median": median_of_ratios(samples[a], samples[b]),
-                    "quartiles": quartiles_of_ratios(samples[a], samples[b]),
-                }
+                f"{a}_over_{b}": None if stalled else paired_summary(samples[a], samples[b])
                 for a, b in itertools.combinations(models, 2)
             },
             "stalled": stalled,
@@ -266,23 +261,16 @@ def _timed(models: dict[str, nn.Module], args: tuple, modes: tuple[str, ...], se
 
 def _step_and_reset(model: nn.Module, args: tuple, mode: str) -> tuple[Callable[[], None], Callable[[], None]]:
     """One timed step of ``model`` in ``mode`` (inference or train), and what clears it between samples."""
-    if mode == "inference":
-        model.eval()
+    model.train(mode == "train")
 
-        def infer() -> None:
-            with torch.inference_mode():
-                model(*args)
-
-        return infer, lambda: None
-    model.train()
+    def infer() -> None:
+        with torch.inference_mode():
+            model(*args)
 
     def train() -> None:
         _first_tensor(model(*args)).float().square().sum().backward()
 
-    def reset() -> None:
-        model.zero_grad(set_to_none=True)
-
-    return train, reset
+    return (infer, lambda: None) if mode == "inference" else (train, lambda: model.zero_grad(set_to_none=True))
 
 
 @dataclass(frozen=True)
