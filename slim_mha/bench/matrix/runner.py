@@ -173,7 +173,8 @@ def _relative_errors(case: Case, contenders: dict) -> dict[str, float]:
 def _measure_memory(case: Case, contenders: dict, device: torch.device) -> tuple[dict, list[str]]:
     """Per contender: peak and allocated bytes, aten calls, (training) bytes saved for backward,
     parameter and Adam bytes; and the aten ops stock ran. Gradients are reset around each step."""
-    memory, stock_ops = {}, []
+    memory: dict[str, dict] = {}
+    stock_ops: list[str] = []
     for name, contender in contenders.items():
         contender.reset()
         profiled = profile_step(contender.step, device)
