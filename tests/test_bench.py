@@ -196,13 +196,19 @@ def test_dry_run_lists_cases(capsys):
         (["--mode", "training"], "--mode: unknown 'training'"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--busy", "-1"], "--busy must be between 0 and 64 competing processes, got -1"),
+        (["--busy-max-s", "0"], "--busy-max-s must be positive, got 0.0"),
+        (["--blocks", "-1"], "--blocks must be at least 0, got -1"),
+        (["--plot", "out.png"], "--plot: bench run draws no plot now"),
+        (["--profile"], "--profile: bench run profiles no more"),
     ],
 )
 def test_bad_options_are_parser_errors(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--device", "cpu", *argv])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    for command in ([], ["run"]):  # the bare command and its subcommand parse the same options
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main([*command, "--device", "cpu", *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err.strip().splitlines()[-1] and err.count("error:") == 1  # usage, then one line
 
 
 @pytest.mark.parametrize(

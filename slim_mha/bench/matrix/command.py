@@ -108,7 +108,10 @@ def add_options(parser: AddsArguments) -> None:
         "--equivariance-every", type=int, metavar="N", help="sampling of the equivariance check, if slim offers one"
     )
     parser.add_argument("--json", type=Path, help="results file (default: bench-out/slim_mha_bench_<device>.json)")
-    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # older scripts: no plot is drawn
+    # Options of earlier releases: --no-plot and --targets change nothing now; the others are refused (_RETIRED).
+    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plot", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--markdown", type=Path, help="the full table and targets as markdown (default: the JSON path with .md)"
     )
@@ -125,7 +128,7 @@ def add_options(parser: AddsArguments) -> None:
         default=1800.0,
         help="the busy processes end by themselves after this many seconds at most (default: 1800)",
     )
-    parser.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)  # older scripts: always printed
+    parser.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--compile",
         nargs="?",
@@ -161,7 +164,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+_RETIRED = {
+    "plot": "bench run draws no plot now: its numbers are in the markdown and JSON files (bench scale still plots)",
+    "profile": "bench run profiles no more: run torch.profiler on your own step, or slim_mha.explain for the paths",
+}
+
+
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name, fix in _RETIRED.items():
+        if getattr(args, name, None):
+            parser.error(f"--{name}: {fix}")
     if args.busy < 0 or args.busy > 64:
         parser.error(f"--busy must be between 0 and 64 competing processes, got {args.busy}")
     check_bounds(parser, args, {"equivariance_every": 1, "blocks": 0}, positive=("busy_max_s",))
