@@ -389,3 +389,19 @@ def test_run_compile_times_stock_and_slim_compiled_and_counts_graph_breaks(tmp_p
         assert case["compile_backend"] == "eager" and set(case["graph_breaks"]) == {"stock", "slim"}
         assert case["graph_breaks"]["slim"]["count"] <= case["graph_breaks"]["stock"]["count"]
         assert case["agrees"]
+
+
+def test_the_estimate_says_one_time_where_its_two_ends_meet():
+    from slim_mha.bench.measure.timing import Settings
+
+    cases = build_matrix(
+        device="cpu",
+        dtypes=["fp32"],
+        shapes=[(1, 2, 8, 2)],
+        modes=["inference"],
+        attentions=["self"],
+        need_weights=[False],
+    )
+    quick = Settings(repeats=1, min_repeats=1, min_sample_s=0.0, max_case_s=0.0, cold_repeats=0)
+    text = run_command._estimate(cases, quick, torch.device("cpu"))
+    assert text == "expected time: about 1 s for 1 case(s) (quiet to beside busy processes)"

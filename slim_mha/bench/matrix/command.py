@@ -277,11 +277,9 @@ def _estimate(cases: list, settings, device: torch.device) -> str:
         warm = min(settings.repeats * repeat, max(settings.max_case_s + repeat, settings.min_repeats * repeat))
         return 3 * 10 * call + settings.cold_repeats * repeat + warm
 
-    low, high = (sum(case_seconds(case, slowdown) for case in cases) for slowdown in (1.0, _SLOWDOWN))
-    return (
-        f"expected time: {_duration(low)} to {_duration(high)} for {len(cases)} case(s) "
-        "(quiet to beside busy processes)"
-    )
+    low, high = (_duration(sum(case_seconds(case, slowdown) for case in cases)) for slowdown in (1.0, _SLOWDOWN))
+    span = f"about {low}" if low == high else f"{low} to {high}"
+    return f"expected time: {span} for {len(cases)} case(s) (quiet to beside busy processes)"
 
 
 def _duration(seconds: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ..measure.output import excess_text, mib_text
+from ..measure.output import excess_text, mib_text, table
 from .runner import TOLERANCE
 
 __all__ = [
@@ -98,29 +98,26 @@ def format_table(results: list[dict]) -> str:
     """One row per case, under 120 columns: the full table (floor times, quartiles, cold times, saved
     memory) is in the markdown and JSON files."""
     dtypes = sorted({result["case"]["dtype"] for result in results})
-    labels = [_case_label(result["case"], dtype=len(dtypes) > 1) for result in results]
-    width = max([len(label) for label in labels] + [len("case (fp32)")])
-    case_header = "case" if len(dtypes) != 1 else f"case ({dtypes[0]})"
-    header = (
-        f"{case_header:<{width}} {'stock ms':>8} {'slim ms':>8} {'stock/slim':>10} {'paired':>6} {'slim/floor':>10}"
-        f" {'faults':>9} {'peak MiB':>11}"
-    )
-    lines = [header, "-" * len(header)]
-    for label, result in zip(labels, results):
+    header = ["case" if len(dtypes) != 1 else f"case ({dtypes[0]})", "stock ms", "slim ms", "stock/slim", "paired"]
+    header += ["slim/floor", "faults", "peak MiB", ""]
+    rows = []
+    for result in results:
         time, memory, ratios, cold = result["time"], result["memory"], result["ratios"], result.get("cold")
-        faults = "/".join(_count(cold[name]["faults_per_call"]) for name in ("stock", "slim")) if cold else "-"
-        peak = "/".join(_compact(memory[name]["peak_bytes"] / _MIB) for name in ("stock", "slim"))
-        if is_stalled(result):
-            speed = f" {'stalled':>10} {'-':>6} {'-':>10}"
-        else:
-            speed = (
-                f" {_compact(ratios['stock_over_slim']) + 'x':>10} {_compact(paired_ratio(result)) + 'x':>6}"
-                f" {_compact(ratios['slim_over_floor']) + 'x':>10}"
-            )
-        lines.append(
-            f"{label:<{width}} {time['stock']['median_ms']:>8.2f} {time['slim']['median_ms']:>8.2f}"
-            f"{speed} {faults:>9} {peak:>11}{'' if result['agrees'] else ' *'}"
+        speed = ["stalled", "-", "-"]
+        if not is_stalled(result):
+            speed = [_compact(ratio) + "x" for ratio in (ratios["stock_over_slim"], paired_ratio(result))]
+            speed.append(_compact(ratios["slim_over_floor"]) + "x")
+        rows.append(
+            [
+                _case_label(result["case"], dtype=len(dtypes) > 1),
+                *(f"{time[name]['median_ms']:.2f}" for name in ("stock", "slim")),
+                *speed,
+                "/".join(_count(cold[name]["faults_per_call"]) for name in ("stock", "slim")) if cold else "-",
+                "/".join(_compact(memory[name]["peak_bytes"] / _MIB) for name in ("stock", "slim")),
+                "" if result["agrees"] else "*",
+            ]
         )
+    lines = table(header, rows, "l" + "r" * 7 + "l")
     lines.append(
         "w: need_weights=True; train+eq: train-equivariance (slim with its equivariance check on).\n"
         "Allocator warm (buffers reused, no page faulted per call). ms: medians. stock/slim: the ratio of\n"
@@ -199,11 +196,11 @@ def format_markdown(payload: dict) -> str:
         "  then the median and quartiles of the per-repeat ratio ('paired'). cold: with the allocator cold,",
         "  stock and slim ms, and minor page faults per call (stock / slim).",
         "",
-        "| mode | attn | weights | B | L | E | H | dtype | stock ms | slim ms | floor ms | stock/slim | slim/floor "
-        "| cold ms stock / slim | cold faults/call stock / slim "
-        "| peak MiB stock / slim / floor | saved MiB stock / slim |",
-        "|---|---|---|--:|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    header = ["mode", "attn", "weights", "B", "L", "E", "H", "dtype", "stock ms", "slim ms", "floor ms", "stock/slim"]
+    header += ["slim/floor", "cold ms stock / slim", "cold faults/call stock / slim"]
+    header += ["peak MiB stock / slim / floor", "saved MiB stock / slim"]
+    rows = []
     for result in payload["cases"]:
         case, time, memory = result["case"], result["time"], result["memory"]
         peaks = " / ".join(mib_text(memory[name]["peak_bytes"]).strip() for name in CONTENDER_ORDER)
@@ -214,12 +211,13 @@ def format_markdown(payload: dict) -> str:
         cold = result.get("cold")
         cold_ms = " / ".join(f"{cold[name]['median_ms']:.2f}" for name in ("stock", "slim")) if cold else "-"
         faults = " / ".join(f"{cold[name]['faults_per_call']:.0f}" for name in ("stock", "slim")) if cold else "-"
-        lines.append(
-            f"| {case['mode']} | {case['attention']} | {'yes' if case['need_weights'] else 'no'} | {case['batch']} "
-            f"| {case['seq_len']} | {case['embed_dim']} | {case['num_heads']} | {case['dtype']} | {' | '.join(times)} "
-            f"| {ratio_text(result, 'stock_over_slim')} | {ratio_text(result, 'slim_over_floor')} | {cold_ms} | {faults} "
-            f"| {peaks} | {saved} |"
+        shape = [str(case[key]) for key in ("batch", "seq_len", "embed_dim", "num_heads")]
+        rows.append(
+            [case["mode"], case["attention"], "yes" if case["need_weights"] else "no", *shape, case["dtype"], *times]
+            + [ratio_text(result, "stock_over_slim"), ratio_text(result, "slim_over_floor"), cold_ms, faults]
+            + [peaks, saved]
         )
+    lines += table(header, rows, "lll" + "r" * 4 + "l" + "r" * 9, markdown=True)
     checks = [
         TargetCheck(**{key: value for key, value in target.items() if key != "passed"})
         for target in payload.get("targets", [])

@@ -1,11 +1,11 @@
-"""Writing results: JSON files that are whole or absent, and numbers as a reader weighs them."""
+"""Writing results: JSON files that are whole or absent, tables, and numbers as a reader weighs them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-__all__ = ["excess_text", "mib_text", "write_json"]
+__all__ = ["excess_text", "mib_text", "table", "write_json"]
 
 _MIB = 1024 * 1024
 
@@ -25,3 +25,19 @@ def write_json(path: Path, payload: dict) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(payload, indent=1))
     temporary.replace(path)  # a run cut short never leaves half a file behind
+
+
+def table(header: list[str], rows: list[list[str]], align: str = "", *, markdown: bool = False) -> list[str]:
+    """A table's lines: markdown's pipes, or columns padded to their widest cell under a rule of dashes.
+    ``align`` holds an ``l`` or an ``r`` per column (default: the first left, the others right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    if markdown:
+        rule = "|" + "|".join("---" if side == "l" else "--:" for side in align) + "|"
+        return [f"| {' | '.join(header)} |", rule, *(f"| {' | '.join(row)} |" for row in rows)]
+    widths = [max(map(len, column)) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        padded = (cell.ljust(w) if side == "l" else cell.rjust(w) for cell, w, side in zip(cells, widths, align))
+        return " ".join(padded).rstrip()
+
+    return [line(header), "-" * len(line(header)), *map(line, rows)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..measure.output import table
 from .cases import MODES, PADDED_FRACTION, SHAPES
 
 __all__ = [
@@ -98,19 +99,9 @@ def format_markdown(payload: dict) -> str:
         E, H = SHAPES.get(shape, ("?", "?"))
         columns = list(dict.fromkeys(column for _, column in cells))
         tokens = sorted({n for n, _ in cells})
-        lines += [
-            "",
-            f"**{shape} (E={E}, H={H}), {mode}**",
-            "",
-            "| N | " + " | ".join(columns) + " |",
-            "|--:|" + "--:|" * len(columns),
-        ]
-        for n in tokens:
-            lines.append(
-                f"| {n:,} | "
-                + " | ".join(format_cell(cells[(n, c)]) if (n, c) in cells else "" for c in columns)
-                + " |"
-            )
+        rows = [[f"{n:,}", *(format_cell(cells[(n, c)]) if (n, c) in cells else "" for c in columns)] for n in tokens]
+        lines += ["", f"**{shape} (E={E}, H={H}), {mode}**", ""]
+        lines += table(["N", *columns], rows, "r" * (len(columns) + 1), markdown=True)
     lines += ["", "Memory at the largest N both contenders ran:", ""]
     common = common_n_memory(cases)
     if not common:
@@ -132,13 +123,13 @@ def format_markdown(payload: dict) -> str:
 
 
 def format_table(cases: list[dict]) -> str:
-    rows = [f"{'case':<40} {'N':>9}  result"]
+    rows = []
     for record in cases:
-        detail = format_cell(record) if record["status"] in ("ok", "oom") else record.get("detail", record["status"])
-        if record["status"] == "oom":
-            detail = f"OOM: {record.get('detail', '')}"
-        rows.append(fit_line(f"{record['name']:<40} {record['tokens']:>9,}  {detail}"))
-    return "\n".join(rows)
+        detail = format_cell(record) if record["status"] == "ok" else record.get("detail", record["status"])
+        rows.append(
+            [record["name"], f"{record['tokens']:,}", f"OOM: {detail}" if record["status"] == "oom" else detail]
+        )
+    return "\n".join(fit_line(line) for line in table(["case", "N", "result"], rows, "lrl"))
 
 
 _COLOURS = {"stock": "tab:red", "slim": "tab:blue"}
