@@ -123,9 +123,12 @@ def test_table_fits_120_columns_at_the_widest_case():
         }
         for dtype in ("bf16", "fp16")
     ]
+    results[1]["case"].update(attention="self", masks="padding")  # the longest mask name, on self-attention
     table = report.format_table(results)
     assert max(len(line) for line in table.splitlines()) <= 120, table
     assert "* MISMATCH" in table and "fp16" in table
+    assert [line.split()[-1] for line in table.splitlines()[2:4]] == ["*", "*"]
+    assert "train+eq  self  wp  B=16" in table and "cross w   B=16" in table  # a masked case says so in its row
 
 
 def test_busy_processes_run_during_the_block_and_are_stopped_after_it():
@@ -336,7 +339,8 @@ def test_run_passes_causal_masks_to_every_contender_and_refuses_unknown_ones(cap
     assert bench.main([*argv, "--one-pass", *_QUICK, "--no-plot", "--json", str(path)]) == 0
     result = json.loads(path.read_text())["cases"][0]
     assert result["case"]["masks"] == "both" and max(result["relative_error"].values()) < 1e-4
-    capsys.readouterr()
+    assert "inference self  -pc B=2 L=16" in capsys.readouterr().out  # the row says which masks it ran
+    assert "| inference | self | no | both | 2 | 16 | 32 | 4 |" in path.with_suffix(".md").read_text()
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["run", "--shape", "2x16x32x4", "--masks", "pad"])
     assert exit_info.value.code == 2

@@ -65,8 +65,12 @@ _SHORT_MODES = {"train-equivariance": "train+eq"}  # the table's label; the mark
 def _case_label(case: dict, *, dtype: bool = True) -> str:
     shape = f"B={case['batch']} L={case['seq_len']} E={case['embed_dim']} H={case['num_heads']}"
     mode = _SHORT_MODES.get(case["mode"], case["mode"])
-    label = f"{mode:<9} {case['attention']:<5} {'w' if case['need_weights'] else '-'} {shape}"
+    flags = ("w" if case["need_weights"] else "-") + _MASK_FLAGS[case.get("masks", "none")]
+    label = f"{mode:<9} {case['attention']:<5} {flags:<3} {shape}"
     return f"{label} {case['dtype']}" if dtype else label
+
+
+_MASK_FLAGS = {"none": "", "padding": "p", "causal": "c", "both": "pc"}  # beside w, as the table's legend says
 
 
 def _compact(value: float) -> str:
@@ -119,13 +123,14 @@ def format_table(results: list[dict]) -> str:
         )
     lines = table(header, rows, "l" + "r" * 7 + "l")
     lines.append(
-        "w: need_weights=True; train+eq: train-equivariance (slim with its equivariance check on).\n"
-        "Allocator warm (buffers reused, no page faulted per call). ms: medians. stock/slim: the ratio of\n"
-        "those medians, above 1 slim is faster. paired: the median over repeats of stock/slim within one\n"
-        "repeat (the two ran back to back, so bursts of load cancel). slim/floor: slim over the fastest\n"
-        "bare computation (matmuls around SDPA or the explicit product, or stock's native kernel: the\n"
-        "JSON's floor_kind). faults: minor page faults per call of stock/slim with the allocator\n"
-        "cold (every call maps its memory anew); cold times are in the markdown. peak MiB: stock/slim."
+        "w: need_weights=True; p, c: a key padding mask, a causal mask; train+eq: train-equivariance\n"
+        "(slim with its equivariance check on). Allocator warm (buffers reused, no page faulted per call).\n"
+        "ms: medians. stock/slim: the ratio of those medians, above 1 slim is faster. paired: the median\n"
+        "over repeats of stock/slim within one repeat (the two ran back to back, so bursts of load cancel).\n"
+        "slim/floor: slim over the fastest bare computation (matmuls around SDPA or the explicit product,\n"
+        "or stock's native kernel: the JSON's floor_kind). faults: minor page faults per call of stock/slim\n"
+        "with the allocator cold (every call maps its memory anew); cold times are in the markdown.\n"
+        "peak MiB: stock/slim."
     )
     if not all(result["agrees"] for result in results):
         lines.append("* MISMATCH: slim's output differs from stock's by more than the dtype's tolerance")
@@ -197,8 +202,8 @@ def format_markdown(payload: dict) -> str:
         "  stock and slim ms, and minor page faults per call (stock / slim).",
         "",
     ]
-    header = ["mode", "attn", "weights", "B", "L", "E", "H", "dtype", "stock ms", "slim ms", "floor ms", "stock/slim"]
-    header += ["slim/floor", "cold ms stock / slim", "cold faults/call stock / slim"]
+    header = ["mode", "attn", "weights", "masks", "B", "L", "E", "H", "dtype", "stock ms", "slim ms", "floor ms"]
+    header += ["stock/slim", "slim/floor", "cold ms stock / slim", "cold faults/call stock / slim"]
     header += ["peak MiB stock / slim / floor", "saved MiB stock / slim"]
     rows = []
     for result in payload["cases"]:
@@ -213,11 +218,12 @@ def format_markdown(payload: dict) -> str:
         faults = " / ".join(f"{cold[name]['faults_per_call']:.0f}" for name in ("stock", "slim")) if cold else "-"
         shape = [str(case[key]) for key in ("batch", "seq_len", "embed_dim", "num_heads")]
         rows.append(
-            [case["mode"], case["attention"], "yes" if case["need_weights"] else "no", *shape, case["dtype"], *times]
+            [case["mode"], case["attention"], "yes" if case["need_weights"] else "no", case.get("masks", "none")]
+            + [*shape, case["dtype"], *times]
             + [ratio_text(result, "stock_over_slim"), ratio_text(result, "slim_over_floor"), cold_ms, faults]
             + [peaks, saved]
         )
-    lines += table(header, rows, "lll" + "r" * 4 + "l" + "r" * 9, markdown=True)
+    lines += table(header, rows, "llll" + "r" * 4 + "l" + "r" * 9, markdown=True)
     checks = [
         TargetCheck(**{key: value for key, value in target.items() if key != "passed"})
         for target in payload.get("targets", [])
