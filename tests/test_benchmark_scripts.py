@@ -33,3 +33,23 @@ def test_the_smallest_calls_script_times_stock_then_and_now_in_every_case():
         assert [name for name, _ in ratios] == ["stock", "then"], row
         assert all(float(value) > 0 for _, value in ratios), row
     assert "then: slim_mha at HEAD" in result.stdout
+
+
+def test_the_small_cross_attention_script_times_every_contender_in_both_modes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "small_cross_attention.py"), "--shape", "2x4x32x4"]
+        + ["--memory", "6", "--memory", "9", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    rows = [line for line in result.stdout.splitlines() if line.startswith("B=2 L=4 S=")]
+    assert [row.split()[2] + " " + row.split()[5] for row in rows] == [
+        f"S={memory} {mode}" for memory in (6, 9) for mode in ("inference", "train")
+    ], result.stdout
+    for row in rows:
+        ratios = re.findall(r"stock/(slim|ops|function) (\d+\.\d+)x", row)
+        assert [name for name, _ in ratios] == ["slim", "ops", "function"] and all(float(v) > 0 for _, v in ratios)
