@@ -15,17 +15,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<name>`` run as its README says, with this checkout's slim_mha; fails on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "benchmarks" / name), *arguments]
+    return subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=600)
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs this git checkout")
 def test_the_smallest_calls_script_times_stock_then_and_now_in_every_case():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "smallest_calls_ab.py"), "--against", "HEAD", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=600,
-    )
+    result = run_script("smallest_calls_ab.py", "--against", "HEAD", "--repeats", "1")
     rows = [line for line in result.stdout.splitlines() if line.startswith("B=2 L=16 E=64 H=4")]
     assert len(rows) == 8, result.stdout  # inference and training, masked or not, weights or not
     for row in rows:
@@ -36,15 +35,8 @@ def test_the_smallest_calls_script_times_stock_then_and_now_in_every_case():
 
 
 def test_the_small_cross_attention_script_times_every_contender_in_both_modes():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "small_cross_attention.py"), "--shape", "2x4x32x4"]
-        + ["--memory", "6", "--memory", "9", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        timeout=300,
+    result = run_script(
+        "small_cross_attention.py", "--shape", "2x4x32x4", "--memory", "6", "--memory", "9", "--repeats", "1"
     )
     rows = [line for line in result.stdout.splitlines() if line.startswith("B=2 L=4 S=")]
     assert [row.split()[2] + " " + row.split()[5] for row in rows] == [
