@@ -181,7 +181,8 @@ def _measure_memory(case: Case, contenders: dict, device: torch.device) -> tuple
         contender.reset()
         saved = saved_tensor_bytes(contender.step, contender.parameters + contender.external) if case.trains else None
         contender.reset()
-        stock_ops = profiled.op_names if name == "stock" else stock_ops
+        if name == "stock":
+            stock_ops = profiled.op_names
         memory[name] = {
             "peak_bytes": profiled.peak_bytes,
             "allocated_bytes": profiled.allocated_bytes,
