@@ -89,7 +89,6 @@ which a ``MemoryError`` would slip past.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import NamedTuple
 
@@ -97,7 +96,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._stock_checks import open_empty_rows
+from ._stock_checks import open_empty_rows, query_scale
 from ._torch_compat import is_capturing_graph
 
 __all__ = [
@@ -109,7 +108,6 @@ __all__ = [
     "forced_rows",
     "mean_over_heads",
     "plan_weights_path",
-    "query_scale",
     "refuse_mask_of_another_dtype",
     "rows_per_block",
     "weights_path_bytes",
@@ -309,11 +307,6 @@ def _batched_mask(mask: Tensor, batch: int, heads: int) -> Tensor:
         return mask  # (L or 1, S), the same for every batch and head
     rows, src_len = mask.shape[-2:]
     return mask.expand(batch, heads, rows, src_len).reshape(batch * heads, rows, src_len)
-
-
-def query_scale(head_dim: int) -> float:
-    """``1/sqrt(D)``, computed as stock computes it, so that scaled queries are stock's bit for bit."""
-    return math.sqrt(1.0 / float(head_dim))
 
 
 def _scaled_matrices(q: Tensor) -> Tensor:

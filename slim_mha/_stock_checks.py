@@ -13,6 +13,7 @@ every torch version, and they raise stock's exceptions with stock's wording (ide
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple
 
@@ -65,12 +66,12 @@ class PreparedCall(NamedTuple):
     is_causal: bool  # SDPA may take the is_causal hint instead of a mask (both masks are then None)
 
 
-def prepare_call(module, call: AttentionCall, *, batch_major: bool | None = None) -> PreparedCall:
+def prepare_call(module, call: AttentionCall, *, batch_major: bool) -> PreparedCall:
     """Stock's checks of ``call`` to ``module`` that come before its projections, in stock's order,
     with its exceptions (the masks' shapes come after: :func:`attention_mask`); and the facts slim's
     own path reads: the layout, the fusing, whether stock would return batch-major memory, and
-    whether autograd records a call with weights. ``batch_major``: :func:`stock_returns_batch_major`
-    for the batched call where the path's choice already asked it."""
+    whether autograd records a call with weights. ``batch_major``: whether stock returns the batched
+    call's output as ``(B, L, E)`` memory, as the call's plan found it."""
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     state = module.__dict__  # read from the dictionary: a call of the smallest sizes is a few dozen microseconds
     batched = is_batched_mha_input(query, key, value, key_padding_mask, attn_mask, state["num_heads"])
@@ -78,9 +79,7 @@ def prepare_call(module, call: AttentionCall, *, batch_major: bool | None = None
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
-    if batch_major is None and batched:
-        batch_major = stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
-    fast_path = batched and bool(batch_major)
+    fast_path = batched and batch_major
     batch_first = state["batch_first"] or not batched
     if batch_first:
         sizes = (query.shape[0], query.shape[1], key.shape[1])
@@ -305,6 +304,11 @@ def a_row_sees_no_key(batch: int, length: int, attn_mask: Tensor | None, key_pad
     return bool(rows.all(dim=-1).any())
 
 
+def query_scale(head_dim: int) -> float:
+    """``1/sqrt(D)``, computed as stock computes it, so that scaled queries are stock's bit for bit."""
+    return math.sqrt(1.0 / float(head_dim))
+
+
 def sdpa_needs_empty_rows_mended(query: Tensor) -> bool:
     """Whether SDPA on ``query``'s device may not give a row masked from every key its zero output
     and finite gradients by itself (:func:`~slim_mha._torch_compat.sdpa_zeroes_rows_masked_from_every_key`):
@@ -350,27 +354,21 @@ def _shape_attn_mask(attn_mask: Tensor, tgt_len: int, src_len: int, batch: int, 
     raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
 
 
-def stock_module_takes_fast_path(module) -> bool:
-    """The module's part of stock's fast-path test, the one copy of it: the switch on, eval, an even
-    number of heads. The call's part (layout, inputs, masks, tensors) is each caller's."""
-    state = module.__dict__
-    return torch.backends.mha.get_fastpath_enabled() and not state["training"] and not state["num_heads"] % 2
-
-
 def stock_returns_batch_major(module, query: Tensor, key: Tensor, value: Tensor, attn_mask, key_padding_mask) -> bool:
-    """Whether stock returns a batch-first call's output contiguous ``(B, L, E)``, not as a transposed view.
+    """Whether stock returns a batch-first call's output contiguous ``(B, L, E)``, not as a transposed
+    view, for a module that passes its own part of stock's fast-path test (the switch on, eval, an even
+    number of heads: :func:`slim_mha.paths.choose_path` asks that once per call).
 
     Stock's native fast path writes ``(B, L, E)``; its Python path computes in ``(L, B, E)`` and
     returns ``.transpose(1, 0)`` of it, strides ``(E, B*E, 1)``. The layout decides which elements a
     following dropout draws for which position (it draws in memory order), so slim returns stock's.
-    This is the part of stock's fast-path test that a call reaching slim's computation can fail:
-    stock's conditions, in stock's order. The module is read from its dictionaries: a small masked
-    call asks this on every call, and each ``nn.Module`` attribute look-up costs a percent of it.
+    This is the call's part of stock's fast-path test: stock's conditions, in stock's order. The
+    module is read from its dictionaries: a small masked call asks this on every call, and each
+    ``nn.Module`` attribute look-up costs a percent of it.
     """
     state, parameters = module.__dict__, module._parameters
     if (
-        not stock_module_takes_fast_path(module)
-        or query.dim() != 3
+        query.dim() != 3
         or not (query is key and key is value)
         or not state["batch_first"]
         or parameters.get("bias_k") is not None

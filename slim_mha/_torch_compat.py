@@ -124,44 +124,16 @@ def stock_head_split(
     return torch._transform_bias_rescale_qkv(F.linear(query, weight), bias, num_heads)
 
 
-def stock_kernel(
-    query: Tensor,
-    num_heads: int,
-    in_proj_weight: Tensor,
-    in_proj_bias: Tensor,
-    out_proj_weight: Tensor,
-    out_proj_bias: Tensor,
-    need_weights: bool,
-    average: bool = False,
-    mask: Tensor | None = None,
-    mask_type: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Stock's native kernel on batch-first self-attention ``query`` ``(B, L, E)``: the output
-    ``(B, L, E)`` and, with ``need_weights``, the weights: every head's ``(B, H, L, L)``, or with
-    ``average`` their mean over heads ``(B, L, L)`` as the kernel takes it (``None`` without).
-    ``mask`` and ``mask_type``: what stock's ``merge_masks`` makes of the call's masks, as stock's
-    fast path passes them.
-
-    Private: ``torch._native_multi_head_attention`` (no autograd), the op stock's ``forward`` calls,
-    with the same arguments, on its fast path (batch-first self-attention, even head count, no
-    graph, no autocast, real cpu or cuda tensors of one dtype), on every tested version.
-    """
-    embed_dim = query.shape[2]
-    return torch._native_multi_head_attention(
-        query,
-        query,
-        query,
-        embed_dim,
-        num_heads,
-        in_proj_weight,
-        in_proj_bias,
-        out_proj_weight,
-        out_proj_bias,
-        mask,
-        need_weights,
-        average,
-        mask_type,
-    )
+# Stock's native kernel, the op stock's ``forward`` calls on its fast path (batch-first
+# self-attention, even head count, no graph, no autocast, real cpu or cuda tensors of one dtype),
+# called with the same arguments as stock calls it: ``(query, key, value, embed_dim, num_heads,
+# in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, mask, need_weights,
+# average_attn_weights, mask_type)``, ``mask`` and ``mask_type`` what stock's ``merge_masks`` makes
+# of the call's masks. It returns the output ``(B, L, E)`` and, with ``need_weights``, every head's
+# weights ``(B, H, L, L)`` or their mean ``(B, L, L)`` (else ``None``). Bound, not wrapped: the
+# shortest call crosses no Python frame of ours here. Private: ``torch._native_multi_head_attention``
+# (no autograd), with this signature on every tested version.
+stock_kernel = torch._native_multi_head_attention
 
 
 def stock_layer_masks(src: Tensor, src_mask, src_key_padding_mask) -> tuple[Tensor | None, Tensor | None]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import inspection
-from ._explicit_attention import attention_with_weights, query_scale
+from ._explicit_attention import attention_with_weights
 from ._features import CHECKS, UNREAD, checks_wanted_by_environment, load_feature, resolve_options, resolve_skip_option
 from ._stock_checks import (
     AttentionCall,
@@ -20,6 +20,7 @@ from ._stock_checks import (
     attention_mask,
     open_empty_rows,
     prepare_call,
+    query_scale,
     sdpa_needs_empty_rows_mended,
 )
 from ._swap import (
@@ -36,13 +37,8 @@ from ._torch_compat import (
     stock_head_split,
     stock_kernel,
 )
-from .bias import (
-    append_tokens,
-    restore_stock_layout,
-    without_key_bias,
-    without_key_bias_eager,
-)
-from .paths import PATHS_TAKEN, CallPlan, choose_path
+from .bias import append_tokens, key_slot_zeroer, restore_stock_layout, without_key_bias
+from .paths import PATHS_TAKEN, CallPlan, choose_path, stock_layout
 
 __all__ = ["SlimMultiheadAttention", "slim_options"]
 
@@ -216,16 +212,20 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             )
         # Read from the dictionaries: each nn.Module attribute look-up costs a percent of a small call.
         p, out_p = self._parameters, cast(nn.Module, self._modules["out_proj"])._parameters
+        bias = cast(Tensor, p["in_proj_bias"])
         out, weights = stock_kernel(
             query,
+            query,
+            query,
+            query.shape[2],
             self.__dict__["num_heads"],
             cast(Tensor, p["in_proj_weight"]),
-            without_key_bias_eager(cast(Tensor, p["in_proj_bias"])),
+            key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias),  # [b_q; 0; b_v]
             cast(Tensor, out_p["weight"]),
             cast(Tensor, out_p["bias"]),
+            mask,
             call.need_weights,
             call.average_attn_weights,
-            mask,
             mask_type,
         )  # (B, L, E), and (B, H, L, L), (B, L, L) or None
         if not batch_first:  # stock's (L, B, E), laid out as its Python path lays it out
@@ -241,7 +241,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         query, key, value = sequence_first(*call[:3]) if self.batch_first else call[:3]
         (length, batch, width), heads, p = query.shape, self.num_heads, self._parameters
         # choose_path takes this path only with the packed projection and its bias: both are tensors
-        weight, bias = cast(Tensor, p["in_proj_weight"]), without_key_bias_eager(cast(Tensor, p["in_proj_bias"]))
+        weight, bias = cast(Tensor, p["in_proj_weight"]), cast(Tensor, p["in_proj_bias"])
+        bias = key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)  # [b_q; 0; b_v]
         q, k, v = stock_projected_heads(query, key, value, weight, bias, heads)  # (B·H, len, D)
         if call.key_padding_mask is None:
             weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
@@ -273,8 +274,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     def _slim_sdpa(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, None]:
         """The general path's ops for plain self-attention without weights, nothing else."""
-        query = call.query
-        projected = F.linear(query, self.in_proj_weight, without_key_bias_eager(self.in_proj_bias))
+        projected = F.linear(call.query, self.in_proj_weight, self._slim_packed_bias(symbolic=False))
         q, k, v = split_heads(projected, 3, self.num_heads, self.batch_first)  # (B, H, L, D) views
         del projected
         batch_major = bool(plan.batch_major)  # stock's layout: its kernel's (B, L, E), else (L, B, E)
@@ -294,11 +294,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         if dropout_p is None:
             dropout_p = self.dropout if self.training else 0.0
         need_weights, H = call.need_weights, self.num_heads
-        known = plan or _UNPLANNED
+        # stock's layout: the plan's (choose_path finds it for every call it sends here), else asked afresh
+        batch_major = plan.batch_major if plan is not None else None
+        batch_major = stock_layout(self, call) if batch_major is None else batch_major
         # batched; stock's checks, its layout and fusing; canonical masks
-        prepared = prepare_call(self, call, batch_major=known.batch_major)
+        prepared = prepare_call(self, call, batch_major=batch_major)
         # asked once: the projections and the weights path need it
-        symbolic = is_symbolic_call(call.query) if known.symbolic is None else known.symbolic
+        symbolic = is_symbolic_call(call.query) if plan is None or plan.symbolic is None else plan.symbolic
 
         # Weights in one pass, without a graph: q, k and v head-major, each head's rows one matrix, the
         # queries scaled, so the weights path multiplies them as they are and writes into the queries.
@@ -364,7 +366,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias = self.in_proj_bias
         if bias is None or symbolic:
             return without_key_bias(bias, self.embed_dim)
-        return without_key_bias_eager(bias)
+        return key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)
 
     def _slim_project(self, prepared: PreparedCall, one_pass: bool, symbolic: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Input projections without the key bias, fused as stock fuses them: q, k and v ``(B, H, len, D)``.
@@ -458,7 +460,6 @@ _RUNS = {
     "sdpa": "_slim_sdpa",
     "general": "_slim_general_with_options",
 }
-_UNPLANNED = CallPlan("general")  # a recomputation's: every fact asked afresh
 
 
 def slim_options(

@@ -27,7 +27,8 @@ checkpoint migration share one implementation.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,7 @@ __all__ = [
     "zero_key_bias",
     "key_bias",
     "without_key_bias",
-    "without_key_bias_eager",
+    "key_slot_zeroer",
     "restore_stock_layout",
     "fold_value_bias_into_output",
     "keeps_key_bias",
@@ -165,9 +166,11 @@ def without_key_bias(in_proj_bias: Tensor | None, embed_dim: int) -> Tensor | No
     return torch.cat((in_proj_bias[:E], in_proj_bias.new_zeros(E), in_proj_bias[2 * E :]))
 
 
-def without_key_bias_eager(in_proj_bias: Tensor) -> Tensor:
-    """``[b_q; 0; b_v]`` in one op, for eager calls (no trace, transform or fake tensors), with or
-    without autograd.
+@functools.lru_cache(maxsize=64)
+def key_slot_zeroer(packed: int, dtype: torch.dtype, device: torch.device) -> Callable[[Tensor], Tensor]:
+    """What makes ``[b_q; 0; b_v]`` of a packed ``(3E,)`` bias of this size, dtype and device in one
+    op, for eager calls (no trace, transform or fake tensors), with or without autograd:
+    ``key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)``.
 
     The same layout as :func:`without_key_bias`, selected by ``torch.where`` from a constant mask,
     so a NaN or inf in the key slot cannot reach it either, and under autograd the key slot's
@@ -175,22 +178,17 @@ def without_key_bias_eager(in_proj_bias: Tensor) -> Tensor:
     dispatches, and right after the previous call's large ops each costs several times its idle
     price (24 µs against 11 µs, measured at ``E=256``); under autograd they are four more nodes of
     the backward. Traces and transforms use :func:`without_key_bias`, whose graph holds no constant.
+
+    Made once per size, dtype and device (outside autograd and inference mode) as a partial of
+    ``torch.where``: the cache and the partial are C calls, so the shortest paths cross no Python
+    frame of ours to build their bias.
     """
-    # On the CPU the flag, not `.device`: building a device object costs a percent of a small call.
-    device = "cpu" if in_proj_bias.is_cpu else in_proj_bias.device
-    keep, zero = _key_slot_mask(in_proj_bias.shape[0], in_proj_bias.dtype, device)
-    return torch.where(keep, in_proj_bias, zero)
-
-
-@functools.lru_cache(maxsize=64)
-def _key_slot_mask(packed: int, dtype: torch.dtype, device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """``False`` on the key slot of a packed ``(3E,)`` bias and ``True`` elsewhere, with the zero put
-    there: made once per size, dtype and device, outside autograd and inference mode."""
     E = packed // 3
     with torch.inference_mode(False), torch.no_grad():
         keep = torch.ones(packed, dtype=torch.bool, device=device)
         keep[E : 2 * E] = False
-        return keep, torch.zeros((), dtype=dtype, device=device)
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return cast(Callable[[Tensor], Tensor], functools.partial(torch.where, keep, other=zero))
 
 
 def restore_stock_layout(state_dict: dict, prefix: str, *, embed_dim: int, error_msgs: list[str]) -> None:

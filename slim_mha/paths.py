@@ -42,7 +42,6 @@ from ._stock_checks import (
     AttentionCall,
     a_row_sees_no_key,
     module_records_graph,
-    stock_module_takes_fast_path,
     stock_returns_batch_major,
 )
 from ._swap import FOLDED_VALUE_BIAS
@@ -58,6 +57,7 @@ __all__ = [
     "CallPlan",
     "choose_path",
     "forcing_blocks",
+    "stock_layout",
 ]
 
 
@@ -146,14 +146,16 @@ def choose_path(
 ) -> CallPlan:
     """The plan ``call`` runs: the path it takes (one of those this module's docstring names), why it
     cannot take a shorter one, and the facts the choice learnt that the path needs again. The one owner
-    of the choice, as stock's ``why_not_fast_path`` owns stock's.
+    of the choice, as stock's ``why_not_fast_path`` owns stock's, and like it one chain of questions,
+    each asked once: the module's facts, then self-attention's paths, then stock's ops.
 
     ``as_real``: take fake tensors (``FakeTensorMode``) as the real ones they stand for, to tell which
     path a call would take on a device this machine lacks (``tests/test_fake_cuda.py``); a call on
     fake tensors itself runs slim's own path, which takes them.
 
     Cheap on purpose: at the sizes of set models a call takes a tenth of a millisecond, and every
-    microsecond here is a percent of it. So the module's state is read from its dictionaries.
+    microsecond here is a percent of it. So the module's state is read from its dictionaries, and the
+    shortest paths cross no other function of ours but :func:`_module_facts`.
     """
     query, key, value, key_padding_mask, need_weights, attn_mask, _, is_causal = call
     if isinstance(query, torch.fx.Proxy):
@@ -165,7 +167,9 @@ def choose_path(
     symbolic = is_symbolic_call(query)
     stand_ins = not as_real and (symbolic or type(query) is not Tensor)
     # Read off the flags, not `query.device`: building a device object costs a percent of a small call.
-    device = "cuda" if query.is_cuda else "cpu"  # the two that _why_slims_own_path lets through
+    device = "cuda" if query.is_cuda else "cpu"  # the two that _module_facts lets through
+    why, fast = _module_facts(module, query, stand_ins)
+    state = module.__dict__
     # skip_unread_weights: slim's own path without the weights where the caller provably discards
     # them, but for small calls stock's kernel runs (with weights, still the faster). The proof is
     # asked in this frame, which forward calls (it reads forward's caller), before the kernel's
@@ -180,22 +184,51 @@ def choose_path(
         kernel_up_to = SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype, masked), -1)
         small = (_packed_score_bytes(module, query, key, value) or kernel_up_to + 1) <= kernel_up_to
         if not small and cast(Callable, UNREAD.discarded)(module, query):
-            return CallPlan("general", _SKIPPING, symbolic, drops_weights=True)
-    why = _why_slims_own_path(module, query, stand_ins)
-    state = module.__dict__
+            return _general(module, call, fast, _SKIPPING, symbolic, drops_weights=True)
+    plan = None  # slim's own path for a reason found below, else none yet
     if why:
-        plan = CallPlan("general", why)
+        plan = _general(module, call, fast, why, symbolic)
     elif query is key and key is value and not is_causal and state["_qkv_same_embed_dim"]:
-        if key_padding_mask is None and attn_mask is None:
-            plan = _self_attention_path(module, query, device, need_weights)
+        if key_padding_mask is not None or attn_mask is not None:
+            if not fast:  # the module's part of stock's test, which training fails: stock's Python path
+                plan = CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, symbolic, batch_major=False)
+            else:
+                plan = _masked_self_attention_path(module, call, device)._replace(symbolic=symbolic)
+        # Plain self-attention: stock's kernel or "sdpa" where one runs it, else slim's own path.
+        # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
+        # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
+        # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
+        elif (autocast := torch.is_autocast_enabled(device)) and device == "cuda":
+            plan = CallPlan(
+                "general", "autocast on CUDA, where stock runs its Python path", symbolic, batch_major=False
+            )
+        elif torch.is_grad_enabled() and module_records_graph(module, query):
+            plan = CallPlan("general", "a graph is recorded", symbolic, batch_major=False)
+        elif state["training"] and state["dropout"] > 0.0:
+            plan = CallPlan("general", "attention dropout", symbolic, batch_major=False)
         else:
-            plan = _masked_self_attention_path(module, call, device)
-    else:
-        plan = CallPlan("general", "masks or cross-attention")
-    if small and plan.path != "stock kernel" and cast(Callable, UNREAD.discarded)(module, query):
-        return CallPlan("general", _SKIPPING, symbolic, drops_weights=True)
+            batch_first, heads, size = state["batch_first"], state["num_heads"], query.element_size()
+            batch, length = query.shape[:2] if batch_first else (query.shape[1], query.shape[0])
+            if need_weights and fast and below_checked_size(batch, heads, length, length, size):
+                plan = CallPlan("stock kernel", "", symbolic)
+            elif need_weights:
+                too_large = "weights stock's fast path would not compute, or too large to check"
+                plan = _general(module, call, fast, too_large, symbolic)
+            elif fast and (
+                autocast  # under the CPU's autocast always: stock runs its kernel there
+                or batch * heads * length * length * size <= STOCK_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype), -1)
+            ):
+                return CallPlan("stock kernel", "", symbolic)
+            else:
+                # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E);
+                # the rest of stock's fast-path test is this path's own entry condition.
+                return CallPlan("sdpa", "", symbolic, batch_major=batch_first and fast)
+    if small and (plan is None or plan.path != "stock kernel") and cast(Callable, UNREAD.discarded)(module, query):
+        return _general(module, call, fast, _SKIPPING, symbolic, drops_weights=True)
+    if why or (plan is not None and plan.path == "stock kernel"):
+        return cast(CallPlan, plan)
     # Calls with weights that no kernel path takes: stock's ops where they are the faster.
-    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype)) if plan.path == "general" and not why else None
+    largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
     if largest is not None and need_weights and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
         if score_bytes is not None and score_bytes <= largest:
@@ -209,36 +242,25 @@ def choose_path(
                 module, query, key, key_padding_mask
             ):
                 return CallPlan("stock ops", "", symbolic)
-    return CallPlan(plan.path, plan.why, symbolic, plan.batch_major)
+    return plan or _general(module, call, fast, "masks or cross-attention", symbolic)
 
 
-def _self_attention_path(module: nn.MultiheadAttention, query: Tensor, device: str, need_weights: bool) -> CallPlan:
-    """For plain self-attention: ``"stock kernel"`` or ``"sdpa"`` where one runs it, else ``"general"``
-    and why neither does, as :func:`choose_path` names them."""
-    state = module.__dict__
-    # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
-    # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
-    # slim's own path beats (2.13x in inference, 1.03x-1.05x in training, at B=8 L=128 E=256).
-    autocast = torch.is_autocast_enabled(device)
-    if autocast and device == "cuda":
-        return CallPlan("general", "autocast on CUDA, where stock runs its Python path")
-    if torch.is_grad_enabled() and module_records_graph(module, query):
-        return CallPlan("general", "a graph is recorded")
-    if state["training"] and state["dropout"] > 0.0:
-        return CallPlan("general", "attention dropout")
-    kernel = stock_module_takes_fast_path(module)
-    batch_first = state["batch_first"]
-    batch, length = query.shape[:2] if batch_first else (query.shape[1], query.shape[0])
-    if need_weights:
-        if kernel and below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
-            return CallPlan("stock kernel")
-        return CallPlan("general", "weights stock's fast path would not compute, or too large to check")
-    largest = STOCK_KERNEL_MAX_SCORE_BYTES.get((device, query.dtype), -1)
-    if kernel and (autocast or batch * state["num_heads"] * length * length * query.element_size() <= largest):
-        return CallPlan("stock kernel")  # under the CPU's autocast always: stock runs it there
-    # Stock's layout: its kernel's (B, L, E) where it runs, else its Python path's (L, B, E); the rest
-    # of stock's fast-path test is this path's own entry condition.
-    return CallPlan("sdpa", batch_major=batch_first and kernel)
+def _general(
+    module: nn.MultiheadAttention, call: AttentionCall, fast: bool, why: str, symbolic: bool, drops_weights=False
+) -> CallPlan:
+    """Slim's own path for ``why``, with stock's layout for the call: ``fast``, the module's part of
+    stock's fast-path test, and the call's part (:func:`stock_returns_batch_major`)."""
+    query, key, value, key_padding_mask, _, attn_mask, _, _ = call
+    batch_major = fast and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
+    return CallPlan("general", why, symbolic, batch_major, drops_weights)
+
+
+def stock_layout(module: nn.MultiheadAttention, call: AttentionCall) -> bool:
+    """Whether stock returns ``call``'s output as ``(B, L, E)`` memory (its fast path), for a call that
+    no plan decided: a recomputation of the maps, or of the equivariance check."""
+    query, key, value, key_padding_mask, _, attn_mask, _, _ = call
+    _, fast = _module_facts(module, query, True)  # the module's part alone: no reason is read here
+    return fast and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
 
 
 _MASKS_OFF_STOCKS_FAST_PATH = "masks, on a call stock's fast path would not take"
@@ -246,24 +268,24 @@ _SKIPPING = "slim's own option skip_unread_weights"
 
 
 def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> CallPlan:
-    """For self-attention with masks: ``"stock kernel"`` where stock's fast path would run its kernel
-    with the masks and it is the faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else
-    ``"general"`` and why. Never where a query sees no key: the kernel turns that row to NaN."""
-    # First the module's part of stock's test, which training fails: such a call goes to slim's own
-    # path with stock's layout fact already known, and no more is asked of it on the way.
-    if not stock_module_takes_fast_path(module):
-        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
+    """For self-attention with masks on a module that passes its part of stock's fast-path test:
+    ``"stock kernel"`` where stock's fast path would run its kernel with the masks and it is the
+    faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else ``"general"`` and why. Never where a
+    query sees no key: the kernel turns that row to NaN."""
     query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
+    batch_major = stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask)
     largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
-        return CallPlan("general", "masks, where stock's kernel with masks is not the faster (or not measured)")
+        why = "masks, where stock's kernel with masks is not the faster (or not measured)"
+        return CallPlan("general", why, batch_major=batch_major)
     state = module.__dict__
     if not state["batch_first"]:  # stock's fast path takes batch-first calls alone
         return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
     batch, length = query.shape[:2]
     if batch * state["num_heads"] * length * length * query.element_size() > largest:
-        return CallPlan("general", "masks, on scores larger than stock's kernel is the faster at")
-    if not stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask):
+        why = "masks, on scores larger than stock's kernel is the faster at"
+        return CallPlan("general", why, batch_major=batch_major)
+    if not batch_major:
         return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
     if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
         return CallPlan("general", "weights too large to check", batch_major=True)
@@ -299,26 +321,30 @@ def _packed_score_bytes(module: nn.MultiheadAttention, query: Tensor, key: Tenso
     return batch * state["num_heads"] * length * source * query.element_size()
 
 
-def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, stand_ins: bool) -> str:
-    """The first reason a call can take no path but slim's own, or ``""``. ``stand_ins``: the call's
-    tensors may not be real ones (traced, transformed, faked or a subclass), and are not taken as such."""
+def _module_facts(module: nn.MultiheadAttention, query: Tensor, stand_ins: bool) -> tuple[str, bool]:
+    """Two facts, read in one pass over the module's dictionaries: the first reason the call can take
+    no path but slim's own (``""`` where none), and whether the module passes its part of stock's
+    fast-path test (the switch on, eval, an even number of heads; the call's part is
+    :func:`~slim_mha._stock_checks.stock_returns_batch_major`). ``stand_ins``: the call's tensors may
+    not be real ones (traced, transformed, faked or a subclass), and are not taken as such."""
     state, parameters = module.__dict__, module._parameters
+    fast = torch.backends.mha.get_fastpath_enabled() and not state["training"] and not state["num_heads"] % 2
     if parameters.get("bias_k") is not None or parameters.get("bias_v") is not None or state["add_zero_attn"]:
-        return "appended tokens, where the key bias matters"
+        return "appended tokens, where the key bias matters", fast
     out_parameters = cast(nn.Module, module._modules["out_proj"])._parameters
     weight, bias = parameters.get("in_proj_weight"), parameters.get("in_proj_bias")
     out_weight, out_bias = out_parameters.get("weight"), out_parameters.get("bias")
     if bias is None or out_weight is None or out_bias is None or (weight is None and state["_qkv_same_embed_dim"]):
-        return "no input or output bias, or a parametrized projection"
+        return "no input or output bias, or a parametrized projection", fast
     if state.get(FOLDED_VALUE_BIAS):
-        return "a folded value bias, which refuses rows masked from every key"
+        return "a folded value bias, which refuses rows masked from every key", fast
     if stand_ins:
-        return "a trace, transform, fake tensor or tensor subclass"
+        return "a trace, transform, fake tensor or tensor subclass", fast
     shape = query.shape
     if len(shape) != 3 or shape[2] != state["embed_dim"] or not (shape[0] and shape[1]):
-        return "an unbatched or empty input, or one of another width (stock's error)"
+        return "an unbatched or empty input, or one of another width (stock's error)", fast
     if not (query.is_cpu or query.is_cuda):
-        return "a device other than cpu and cuda"
+        return "a device other than cpu and cuda", fast
     dtype = query.dtype
     if (
         bias.dtype != dtype
@@ -326,27 +352,28 @@ def _why_slims_own_path(module: nn.MultiheadAttention, query: Tensor, stand_ins:
         or out_bias.dtype != dtype
         or (weight is not None and weight.dtype != dtype)
     ):
-        return "parameters of another dtype than the query"
+        return "parameters of another dtype than the query", fast
     if torch.overrides.has_torch_function((bias, out_weight, out_bias)):
-        return "tensor subclasses among the parameters"
-    return ""
+        return "tensor subclasses among the parameters", fast
+    return "", fast
 
 
 @contextmanager
 def forcing_blocks(block_bytes: int) -> Iterator[None]:
     """For tests and ``bench run --blocks``: averaged weights without a graph computed in blocks
     of query rows holding at most ``block_bytes`` of scores, even where one pass fits, and every call
-    on slim's own path, which alone computes blocks. It swaps this module's rule of slim's own path and
+    on slim's own path, which alone computes blocks. It swaps this module's facts of the module and
     the memory guard's block rule for the block's duration (one thread): no call reads a switch."""
-    own_path, rows = _why_slims_own_path, _explicit_attention.rows_per_block
+    facts, rows = _module_facts, _explicit_attention.rows_per_block
 
-    def forced_own_path(*args) -> str:
-        return own_path(*args) or "weights forced into blocks"
+    def forced_facts(*args) -> tuple[str, bool]:
+        why, fast = facts(*args)
+        return why or "weights forced into blocks", fast
 
-    globals()["_why_slims_own_path"] = forced_own_path
+    globals()["_module_facts"] = forced_facts
     _explicit_attention.rows_per_block = lambda q, src_len: forced_rows(q, src_len, block_bytes)
     try:
         yield
     finally:
-        globals()["_why_slims_own_path"] = own_path
+        globals()["_module_facts"] = facts
         _explicit_attention.rows_per_block = rows

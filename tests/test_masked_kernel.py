@@ -18,7 +18,7 @@ import slim_mha
 from slim_mha import paths
 from slim_mha._stock_checks import AttentionCall
 from slim_mha._torch_compat import stock_kernel
-from slim_mha.bias import without_key_bias_eager
+from slim_mha.bias import key_slot_zeroer
 
 from _reference import STOCK_MHA, assert_matches_stock, randomize_parameters
 
@@ -142,7 +142,8 @@ def test_a_bool_padding_mask_goes_in_as_it_is_with_the_additive_masks_bits(dtype
     additive form: slim's answer is the kernel's on the additive mask stock would pass, bit for bit,
     over a sweep of sizes (and stock's own, within its rounding, as the tests above hold)."""
     _, slim = pair(dtype)
-    packed = without_key_bias_eager(slim.in_proj_bias)
+    bias = slim.in_proj_bias
+    packed = key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)
     generator = torch.Generator().manual_seed(7)
     for batch, length in [(1, 5), (2, 8), (3, 11), (2, 16), (4, 6)]:
         x = torch.randn(batch, length, E, generator=generator).to(dtype)
@@ -154,8 +155,8 @@ def test_a_bool_padding_mask_goes_in_as_it_is_with_the_additive_masks_bits(dtype
                 continue
             actual = slim(x, x, x, key_padding_mask=padding, need_weights=need_weights, average_attn_weights=average)
             expected = stock_kernel(
-                x, H, slim.in_proj_weight, packed, slim.out_proj.weight, slim.out_proj.bias,
-                need_weights, average, additive, 1,
+                x, x, x, E, H, slim.in_proj_weight, packed, slim.out_proj.weight, slim.out_proj.bias,
+                additive, need_weights, average, 1,
             )  # fmt: skip
         assert torch.equal(actual[0], expected[0]), (batch, length)
         assert (actual[1] is None) == (expected[1] is None)

@@ -202,7 +202,7 @@ def test_a_query_of_the_wrong_width_gets_stocks_error(short_calls):
 
 def test_the_comparison_fails_when_the_short_path_gets_the_key_bias(short_calls, monkeypatch):
     """With a key bias of 1e6 in the projection, the scores lose their precision: the check sees it."""
-    monkeypatch.setattr(attention, "without_key_bias_eager", lambda bias: bias)
+    monkeypatch.setattr(attention, "key_slot_zeroer", lambda *bias_kind: lambda bias: bias)
     stock, slim = modules()
     with torch.no_grad():
         stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0

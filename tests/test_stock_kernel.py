@@ -68,7 +68,7 @@ def test_the_default_call_without_a_graph_takes_stocks_kernel_and_matches_stock(
     assert len(kernel_calls) == 2
     for want, got in zip(expected, actual):
         assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
-    bias = kernel_calls[0][3]
+    bias = kernel_calls[0][6]  # stock's kernel's arguments: the packed bias seventh
     assert torch.equal(bias[EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))  # the key bias never reaches it
     assert torch.equal(bias[:EMBED], slim.in_proj_bias[:EMBED]) and torch.equal(
         bias[2 * EMBED :], slim.in_proj_bias[2 * EMBED :]
@@ -175,8 +175,8 @@ def test_small_calls_without_weights_take_stocks_kernel_where_it_is_faster(dtype
     with torch.inference_mode():
         assert_like_stock(stock, slim, x, x, x, need_weights=False)
         assert slim(x, x, x, need_weights=False)[1] is None
-    assert len(kernel_calls) == 2 and kernel_calls[0][6] is False  # need_weights=False
-    assert torch.equal(kernel_calls[0][3][EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))
+    assert len(kernel_calls) == 2 and kernel_calls[0][10] is False  # need_weights=False
+    assert torch.equal(kernel_calls[0][6][EMBED : 2 * EMBED], torch.zeros(EMBED, dtype=dtype))
 
 
 def _odd_head_modules(batch_first: bool = True):
@@ -344,7 +344,7 @@ def test_the_comparison_fails_on_a_wrong_average_of_the_kernels_weights(kernel_c
 
 def test_the_comparison_fails_when_the_kernel_gets_the_key_bias(kernel_calls, monkeypatch):
     """With a key bias of 1e6 in the kernel's bias, the scores lose their precision: the check sees it."""
-    monkeypatch.setattr(attention, "without_key_bias_eager", lambda bias: bias)
+    monkeypatch.setattr(attention, "key_slot_zeroer", lambda *bias_kind: lambda bias: bias)
     stock, slim = modules()
     with torch.no_grad():
         stock.in_proj_bias[EMBED : 2 * EMBED] = 0.0

@@ -222,8 +222,9 @@ def build_contenders(
     fast_path = case.mode == "inference" and memory is None and masks == "none" and case.dtype not in AUTOCAST
     if fast_path and case.num_heads % 2 == 0:  # stock's native kernel where stock's fast path runs it, bare
         floors["stock's native kernel"] = lambda: stock_kernel(
-            query, case.num_heads, in_weight, in_bias, out_weight, out_bias, case.need_weights, True
-        )
+            query, query, query, query.shape[2], case.num_heads, in_weight, in_bias, out_weight, out_bias,
+            None, case.need_weights, True,
+        )  # fmt: skip
     floor_kind = _fastest_floor(floors)
 
     parameters: dict[str, list[Tensor]] = {
