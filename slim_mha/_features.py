@@ -8,6 +8,10 @@ A leaf: it imports nothing of slim_mha when it is imported, and the features imp
   ``forward`` reads one flag per call and calls into the check only where it is on.
 * Unread weights: ``slim_mha.unread_weights`` sets its two functions on :data:`UNREAD` when it is
   imported.
+* Inspection: :data:`INSPECTION` holds the blocks that ``slim_mha.explain`` and
+  ``slim_mha.recording_attention`` open, which every call reads (empty: nothing to note or record),
+  and the three functions a call makes where one is open, which ``slim_mha.inspection`` sets when it
+  is imported (as it must be, to open one).
 
 ``slim_mha.attention`` imports a feature where it is wanted (a module built with
 ``check_equivariance`` or ``skip_unread_weights``, the environment variable, an option set by hand),
@@ -23,6 +27,8 @@ from collections.abc import Callable
 __all__ = [
     "CHECKS",
     "ENVIRONMENT_VARIABLE",
+    "INSPECTION",
+    "Inspection",
     "UNREAD",
     "Checks",
     "UnreadWeights",
@@ -59,8 +65,24 @@ class UnreadWeights:
         self.call_without_weights: Callable | None = None
 
 
+class Inspection:
+    """``slim_mha.inspection``'s open blocks, innermost last, which every slim call reads, and its
+    ``note``, ``watched`` and ``record_call``, set when it is imported. The lists are inspection's own
+    registries, changed in place under its lock: a reader needs no lock (a list's truth is one check)."""
+
+    __slots__ = ("explaining", "recording", "note", "watched", "record_call")
+
+    def __init__(self) -> None:
+        self.explaining: list = []  # open explain() reports
+        self.recording: list = []  # open recording_attention() blocks
+        self.note: Callable | None = None
+        self.watched: Callable | None = None
+        self.record_call: Callable | None = None
+
+
 CHECKS = Checks()
 UNREAD = UnreadWeights()
+INSPECTION = Inspection()
 
 # The optional features, each imported where first wanted; each registers here when it is imported.
 _FEATURES = {"check": "slim_mha.equivariance._mode", "unread weights": "slim_mha.unread_weights"}

@@ -10,9 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import inspection
 from ._explicit_attention import attention_with_weights
-from ._features import CHECKS, UNREAD, checks_wanted_by_environment, load_feature, resolve_options, resolve_skip_option
+from ._features import (
+    CHECKS,
+    INSPECTION,
+    UNREAD,
+    checks_wanted_by_environment,
+    load_feature,
+    resolve_options,
+    resolve_skip_option,
+)
 from ._stock_checks import (
     AttentionCall,
     PreparedCall,
@@ -145,8 +152,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
         )
         plan = choose_path(self, call)
-        if inspection.EXPLAINING:
-            inspection.note(self, "attention", plan.path, plan.why or PATHS_TAKEN[plan.path])
+        if INSPECTION.explaining:
+            cast(Callable, INSPECTION.note)(self, "attention", plan.path, plan.why or PATHS_TAKEN[plan.path])
         result = getattr(self, _RUNS[plan.path])(call, plan)
         # The check follows whatever path ran, so that checking changes no output, not even its last bits;
         # calls whose tensors hold no values (traced, compiled, transformed, faked) are not checked.
@@ -159,7 +166,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
     def _slim_recorded(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """The call with every head's weights, on the path it takes with weights, handed to the open
         ``recording_attention`` blocks; returns what the caller asked for."""
-        return inspection.record_call(self, self._slim_unrecorded, self._slim_maps, call)
+        return cast(Callable, INSPECTION.record_call)(self, self._slim_unrecorded, self._slim_maps, call)
 
     def _slim_unrecorded(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         plan = choose_path(self, call, recording=False)

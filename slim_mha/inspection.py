@@ -25,15 +25,17 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from ._features import INSPECTION
 from ._swap import slim_stands_for
 from ._torch_compat import STOCK_ENCODER_LAYER, STOCK_MHA
 
 __all__ = ["AttentionMaps", "PathReport", "PathRow", "explain", "recording_attention"]
 
-# The open blocks, innermost last. Read without the lock on every attention call (a list's truth is
+# The open blocks, innermost last, kept where attention's calls read them (slim_mha._features), so the
+# core never imports this module. Read without the lock on every attention call (a list's truth is
 # one check); changed in place under it (append and remove are each atomic for a reader).
-RECORDING: list[_Recording] = []
-EXPLAINING: list[PathReport] = []
+RECORDING: list[_Recording] = INSPECTION.recording
+EXPLAINING: list[PathReport] = INSPECTION.explaining
 _LOCK = threading.Lock()
 
 
@@ -284,3 +286,7 @@ def _too_large_to_record(module: nn.Module, guard: str, every_head: bool) -> str
     need = guard.split("; pass need_weights=False")[0].removeprefix("need_weights=True: ")
     fixes = "record maps averaged over heads (recording_attention(model, per_head=False)), or " if every_head else ""
     return f"recording_attention: module {name_of(module)}: its maps, {need}; {fixes}attend over fewer tokens"
+
+
+# What attention's calls reach through the seam while a block is open.
+INSPECTION.note, INSPECTION.watched, INSPECTION.record_call = note, watched, record_call

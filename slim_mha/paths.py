@@ -35,9 +35,9 @@ from typing import NamedTuple, cast
 import torch
 from torch import Tensor, nn
 
-from . import _explicit_attention, inspection
+from . import _explicit_attention
 from ._explicit_attention import below_checked_size, forced_rows
-from ._features import UNREAD, load_feature
+from ._features import INSPECTION, UNREAD, load_feature
 from ._stock_checks import (
     AttentionCall,
     a_row_sees_no_key,
@@ -162,7 +162,7 @@ def choose_path(
         return CallPlan("traced")
     if query.is_nested or key.is_nested or value.is_nested:
         return CallPlan("nested")
-    if recording and inspection.RECORDING and inspection.watched(module):
+    if recording and INSPECTION.recording and cast(Callable, INSPECTION.watched)(module):
         return CallPlan("recorded", "attention maps are being recorded (slim_mha.recording_attention)")
     symbolic = is_symbolic_call(query)
     stand_ins = not as_real and (symbolic or type(query) is not Tensor)

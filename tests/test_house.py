@@ -32,10 +32,27 @@ def run_python(code: str, **environment: str) -> str:
 LOADED = "import sys, slim_mha.attention; print(' '.join(sorted(m for m in sys.modules if m.startswith('slim_mha'))))"
 
 
+FEATURES = ("slim_mha.unread_weights", "slim_mha.inspection")  # beside the equivariance package
+
+
 def test_the_attention_module_loads_ten_modules_and_no_feature():
     loaded = run_python(LOADED).split()
     assert len(loaded) <= 10, loaded
-    assert not [name for name in loaded if "equivariance" in name or name == "slim_mha.unread_weights"], loaded
+    assert not [name for name in loaded if "equivariance" in name or name in FEATURES], loaded
+    assert "slim_mha._memory" in loaded  # the guard's probe, a room of its own
+
+
+def test_inspection_plugs_in_where_a_block_opens():
+    """explain and recording_attention load inspection, which registers with the seam the core reads."""
+    code = (
+        "import sys, torch, slim_mha, slim_mha.attention as a; m = a.SlimMultiheadAttention(8, 2).eval(); "
+        "x = torch.randn(2, 5, 8); before = 'slim_mha.inspection' in sys.modules; "
+        "rows = slim_mha.explain(m, x, x, x); "
+        "with_maps = slim_mha.recording_attention(m); maps = with_maps.__enter__(); m(x, x, x, need_weights=False); "
+        "with_maps.__exit__(None, None, None); "
+        "print(before, len(rows), len(maps[next(iter(maps))]))"
+    )
+    assert run_python(code) == "False 1 1"
 
 
 def test_the_environment_variable_still_loads_the_check_with_the_class():

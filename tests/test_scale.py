@@ -21,6 +21,7 @@ import torch._dynamo
 
 from slim_mha import SlimMultiheadAttention
 from slim_mha import _explicit_attention as guard
+from slim_mha import _memory as memory
 from slim_mha.bench import __main__ as bench
 from slim_mha.bench.scale import child as scale_child
 from slim_mha.bench.scale import report as scale_report
@@ -248,7 +249,7 @@ def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
     (v2 / "jobs" / "memory.stat").write_text("anon 2000\nactive_file 6000\ninactive_file 500\nshmem 700\n")
     (v2 / "jobs" / "one" / "memory.max").write_text("max\n")
     (v2 / "proc_cgroup").write_text("0::/jobs/one\n")
-    assert guard._cgroup_headroom(str(v2 / "proc_cgroup"), str(v2)) == 8000 - 3000 + 6000 + 500
+    assert memory._cgroup_headroom(str(v2 / "proc_cgroup"), str(v2)) == 8000 - 3000 + 6000 + 500
 
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)  # inside a namespace: the process's path is not under the mount
@@ -256,11 +257,11 @@ def test_cgroup_headroom_reads_v1_and_v2_limits(tmp_path):
     (v1 / "memory" / "memory.usage_in_bytes").write_text("1024\n")
     (v1 / "memory" / "memory.stat").write_text("active_file 1\ntotal_active_file 100\ntotal_inactive_file 24\n")
     (v1 / "proc_cgroup").write_text("5:cpu:/\n4:memory:/process_api/abc\n")
-    assert guard._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) == 4096 - 1024 + 100 + 24
+    assert memory._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) == 4096 - 1024 + 100 + 24
 
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
-    assert guard._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) is None
-    assert guard._cgroup_headroom(str(tmp_path / "missing"), str(v1)) is None
+    assert memory._cgroup_headroom(str(v1 / "proc_cgroup"), str(v1)) is None
+    assert memory._cgroup_headroom(str(tmp_path / "missing"), str(v1)) is None
 
 
 def test_system_available_counts_swap_and_strict_overcommit(tmp_path):
@@ -270,9 +271,9 @@ def test_system_available_counts_swap_and_strict_overcommit(tmp_path):
     )
     overcommit = tmp_path / "overcommit"
     overcommit.write_text("0\n")
-    assert guard._system_available(str(meminfo), str(overcommit)) == 50 * 1024
+    assert memory._system_available(str(meminfo), str(overcommit)) == 50 * 1024
     overcommit.write_text("2\n")
-    assert guard._system_available(str(meminfo), str(overcommit)) == 5 * 1024
+    assert memory._system_available(str(meminfo), str(overcommit)) == 5 * 1024
 
 
 # ------------------------------------------------------------------------------- the sweep

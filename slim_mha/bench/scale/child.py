@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from ..._explicit_attention import available_bytes
+from ..._memory import available_bytes
 from ...attention import SlimMultiheadAttention
 from ..measure.allocator import minor_faults
 from .cases import (
