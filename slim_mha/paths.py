@@ -193,7 +193,7 @@ def choose_path(
             if not fast:  # the module's part of stock's test, which training fails: stock's Python path
                 plan = CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, symbolic, batch_major=False)
             else:
-                plan = _masked_self_attention_path(module, call, device)._replace(symbolic=symbolic)
+                plan = _masked_self_attention_path(module, call, device, symbolic)
         # Plain self-attention: stock's kernel or "sdpa" where one runs it, else slim's own path.
         # Stock's fast-path test reads CUDA's autocast alone: under the CPU's it still runs its
         # native kernel, and so does slim. Elsewhere under autocast stock runs its Python path, which
@@ -267,31 +267,34 @@ _MASKS_OFF_STOCKS_FAST_PATH = "masks, on a call stock's fast path would not take
 _SKIPPING = "slim's own option skip_unread_weights"
 
 
-def _masked_self_attention_path(module: nn.MultiheadAttention, call: AttentionCall, device: str) -> CallPlan:
+def _masked_self_attention_path(
+    module: nn.MultiheadAttention, call: AttentionCall, device: str, symbolic: bool
+) -> CallPlan:
     """For self-attention with masks on a module that passes its part of stock's fast-path test:
     ``"stock kernel"`` where stock's fast path would run its kernel with the masks and it is the
-    faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else ``"general"`` and why. Never where a
-    query sees no key: the kernel turns that row to NaN."""
+    faster (:data:`STOCK_KERNEL_MASKED_MAX_SCORE_BYTES`), else ``"general"`` and why (``symbolic``
+    goes into the plan as it is). Never where a query sees no key: the kernel turns that row to NaN."""
     query, attn_mask, key_padding_mask = call.query, call.attn_mask, call.key_padding_mask
     batch_major = stock_returns_batch_major(module, query, query, query, attn_mask, key_padding_mask)
     largest = STOCK_KERNEL_MASKED_MAX_SCORE_BYTES.get((device, query.dtype, call.need_weights))
     if largest is None:
         why = "masks, where stock's kernel with masks is not the faster (or not measured)"
-        return CallPlan("general", why, batch_major=batch_major)
+        return CallPlan("general", why, symbolic, batch_major)
     state = module.__dict__
     if not state["batch_first"]:  # stock's fast path takes batch-first calls alone
-        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
+        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, symbolic, False)
     batch, length = query.shape[:2]
     if batch * state["num_heads"] * length * length * query.element_size() > largest:
         why = "masks, on scores larger than stock's kernel is the faster at"
-        return CallPlan("general", why, batch_major=batch_major)
+        return CallPlan("general", why, symbolic, batch_major)
     if not batch_major:
-        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, batch_major=False)
+        return CallPlan("general", _MASKS_OFF_STOCKS_FAST_PATH, symbolic, False)
     if call.need_weights and not below_checked_size(batch, state["num_heads"], length, length, query.element_size()):
-        return CallPlan("general", "weights too large to check", batch_major=True)
+        return CallPlan("general", "weights too large to check", symbolic, True)
     if a_row_sees_no_key(batch, length, attn_mask, key_padding_mask):
-        return CallPlan("general", "a query masked from every key, which stock's kernel turns to NaN", batch_major=True)
-    return CallPlan("stock kernel", batch_major=True)
+        why = "a query masked from every key, which stock's kernel turns to NaN"
+        return CallPlan("general", why, symbolic, True)
+    return CallPlan("stock kernel", "", symbolic, True)
 
 
 def _stock_ops_take(module: nn.MultiheadAttention, query: Tensor, key: Tensor, key_padding_mask) -> bool:
