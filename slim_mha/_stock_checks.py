@@ -294,7 +294,7 @@ def a_row_sees_no_key(batch: int, length: int, attn_mask: Tensor | None, key_pad
     if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] % batch:
         return False
     if attn_mask is None and key_padding_mask is not None and key_padding_mask.dtype == torch.bool:
-        return bool(key_padding_mask.all(dim=-1).any())  # the common case, in two ops
+        return True in key_padding_mask.all(dim=-1).tolist()  # the common case: one op and a copy to the host
     masked = [m if m.dtype == torch.bool else m != 0 for m in (attn_mask, key_padding_mask) if m is not None]
     if attn_mask is not None and attn_mask.dim() == 3:  # (B·H, L, S) -> (B, H, L, S)
         masked[0] = masked[0].view(batch, -1, *masked[0].shape[-2:])

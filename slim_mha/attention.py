@@ -227,7 +227,8 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
             query.shape[2],
             self.__dict__["num_heads"],
             cast(Tensor, p["in_proj_weight"]),
-            key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias),  # [b_q; 0; b_v]
+            # [b_q; 0; b_v] as _packed builds it, written out: the shortest path a call takes, no frame more
+            key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias),
             cast(Tensor, out_p["weight"]),
             cast(Tensor, out_p["bias"]),
             mask,
@@ -241,15 +242,13 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     def _slim_stock_ops(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Stock's Python path with weights, without masks or with a bool padding mask under which every
-        query sees a key, given ``[b_q; 0; b_v]``: its products,
-        softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
+        query sees a key, without the key bias: its products, softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
         ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
         their dictionaries: at the sizes this path takes, each attribute read is a percent of a call."""
         query, key, value = sequence_first(*call[:3]) if self.batch_first else call[:3]
         (length, batch, width), heads, p = query.shape, self.num_heads, self._parameters
         # choose_path takes this path only with the packed projection and its bias: both are tensors
         weight, bias = cast(Tensor, p["in_proj_weight"]), cast(Tensor, p["in_proj_bias"])
-        bias = key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)  # [b_q; 0; b_v]
         q, k, v = stock_projected_heads(query, key, value, weight, bias, heads)  # (B·H, len, D)
         if call.key_padding_mask is None:
             weights = torch.bmm(q * query_scale(q.shape[2]), k.transpose(1, 2)).softmax(-1)  # (B·H, L, S)
@@ -373,7 +372,7 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
         bias = self.in_proj_bias
         if bias is None or symbolic:
             return without_key_bias(bias, self.embed_dim)
-        return key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)
+        return _packed(bias)
 
     def _slim_project(self, prepared: PreparedCall, one_pass: bool, symbolic: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Input projections without the key bias, fused as stock fuses them: q, k and v ``(B, H, len, D)``.
@@ -564,15 +563,23 @@ def stock_heads(projected: Tensor, parts: int, num_heads: int) -> tuple[Tensor, 
 def stock_projected_heads(
     query: Tensor, key: Tensor, value: Tensor, weight: Tensor, bias: Tensor, num_heads: int
 ) -> tuple[Tensor, ...]:
-    """Stock's in-projection of sequence-first inputs with the packed ``(3E, E)`` weight, q, k and v
-    ``(B·H, len, D)`` in its layout: one matmul for self-attention, one for the queries and one for
-    keys and values when ``key is value``, else one each, as stock fuses them."""
+    """Stock's in-projection of sequence-first inputs with the packed ``(3E, E)`` weight and bias,
+    without the key bias, q, k and v ``(B·H, len, D)`` in its layout: one matmul for self-attention,
+    one for the queries and one for keys and values when ``key is value``, else one each, as stock
+    fuses them. A fused projection takes ``[b_q; 0; b_v]``; the keys' own projection takes no bias,
+    so that call (cross-attention, as DETR's decoder makes it) builds none."""
     width = query.shape[2]
     if query is key and key is value:
-        return stock_heads(F.linear(query, weight, bias), 3, num_heads)
+        return stock_heads(F.linear(query, weight, _packed(bias)), 3, num_heads)
     if key is value:
-        (w_q, w_kv), (b_q, b_kv) = weight.split([width, 2 * width]), bias.split([width, 2 * width])
+        (w_q, w_kv), (b_q, b_kv) = weight.split([width, 2 * width]), _packed(bias).split([width, 2 * width])
         (q,) = stock_heads(F.linear(query, w_q, b_q), 1, num_heads)
         return (q, *stock_heads(F.linear(key, w_kv, b_kv), 2, num_heads))
-    parts = zip((query, key, value), weight.chunk(3), bias.chunk(3))
+    b_q, _, b_v = bias.chunk(3)
+    parts = zip((query, key, value), weight.chunk(3), (b_q, None, b_v))
     return tuple(stock_heads(F.linear(x, w, b), 1, num_heads)[0] for x, w, b in parts)
+
+
+def _packed(bias: Tensor) -> Tensor:
+    """``[b_q; 0; b_v]`` of an eager call's packed bias (:func:`slim_mha.bias.key_slot_zeroer`)."""
+    return key_slot_zeroer(bias.shape[0], bias.dtype, bias.device)(bias)
