@@ -17,7 +17,8 @@ Stock's ``forward`` owns its choice in ``why_not_fast_path``; slim's owns its he
 * ``"stock ops"``: stock's Python path op for op given ``[b_q; 0; b_v]``, for other calls with
   weights, without masks or with a bool padding mask under which every query sees a key, whose
   scores are small (:data:`STOCK_OPS_MAX_SCORE_BYTES`; for
-  batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`);
+  batch-first calls without a graph, under :data:`ONE_PASS_FROM_SCORE_BYTES`; for sequence-first
+  calls other than self-attention, :data:`STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES`);
 * ``"sdpa"``: the same self-attention without weights, in slim's fewest ops: one projection,
   ``scaled_dot_product_attention``, the output projection;
 * ``"general"``: slim's general path, every feature (masks, weights, appended tokens, other
@@ -54,6 +55,7 @@ __all__ = [
     "STOCK_KERNEL_MAX_SCORE_BYTES",
     "SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES",
     "STOCK_OPS_MAX_SCORE_BYTES",
+    "STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES",
     "CallPlan",
     "choose_path",
     "forcing_blocks",
@@ -86,7 +88,7 @@ PATHS_TAKEN = {
     "nested": "nested tensors: stock's native kernel, the only one that takes them",
     "recorded": "attention maps are being recorded (slim_mha.recording_attention)",
     "stock kernel": "self-attention where stock's fast path runs its kernel: stock's own kernel given [b_q; 0; b_v]",
-    "stock ops": "a small call with weights: stock's own ops given [b_q; 0; b_v], the floor",
+    "stock ops": "a call with weights where stock's ops are the faster: stock's own ops without the key bias, the floor",
     "sdpa": "self-attention without weights: one projection, scaled_dot_product_attention, the output projection",
     "general": "slim's own path",
 }
@@ -134,6 +136,16 @@ SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES = {
     ("cpu", torch.float32, False): 256 << 10,
     ("cpu", torch.float32, True): 32 << 10,
 }
+
+# Sequence-first calls with weights other than self-attention (query, key and value not one tensor:
+# DETR's decoder makes two, its cross-attention and its self-attention over target plus positions)
+# take stock's ops up to this many bytes of scores instead. At B=2 E=256 H=8 with a padding mask, in
+# one process, up to 2.5 MiB: slim's own path read 0.79x-0.98x of stock, stock's ops 0.96x-1.02x; with
+# the key and value one tensor 0.91x-1.02x and 0.99x-1.02x, but for one training case at 2.5 MiB
+# (the own path 5% ahead). From 6 MiB the own path is as fast or faster (1.05x-1.23x in inference,
+# against 1.02x-1.04x). Batch-first calls read alike on both paths, so they keep the limit above;
+# bf16 and CUDA have not been measured (benchmarks/small_cross/README.md).
+STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES = {("cpu", torch.float32): 4 << 20}
 
 # Except for batch-first calls without a graph or dropout from this many bytes of scores on: there
 # slim's one pass wins, as it projects the caller's layout where stock's ops first copy every input
@@ -229,6 +241,8 @@ def choose_path(
         return cast(CallPlan, plan)
     # Calls with weights that no kernel path takes: stock's ops where they are the faster.
     largest = STOCK_OPS_MAX_SCORE_BYTES.get((device, query.dtype))
+    if not state["batch_first"] and not (query is key and key is value):  # DETR's calls, say
+        largest = STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES.get((device, query.dtype), largest)
     if largest is not None and need_weights and attn_mask is None and not is_causal:
         score_bytes = _packed_score_bytes(module, query, key, value)
         if score_bytes is not None and score_bytes <= largest:

@@ -63,6 +63,7 @@ def slims_own_paths(monkeypatch):
     monkeypatch.setattr(paths, "STOCK_KERNEL_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_KERNEL_MASKED_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "STOCK_OPS_MAX_SCORE_BYTES", {})
+    monkeypatch.setattr(paths, "STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES", {})
     monkeypatch.setattr(paths, "SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES", {})
 
 

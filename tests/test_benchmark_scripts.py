@@ -43,5 +43,16 @@ def test_the_small_cross_attention_script_times_every_contender_in_both_modes():
         f"S={memory} {mode}" for memory in (6, 9) for mode in ("inference", "train")
     ], result.stdout
     for row in rows:
-        ratios = re.findall(r"stock/(slim|ops|function) (\d+\.\d+)x", row)
-        assert [name for name, _ in ratios] == ["slim", "ops", "function"] and all(float(v) > 0 for _, v in ratios)
+        ratios = re.findall(r"stock/(slim|ops|own|function) (\d+\.\d+)x", row)
+        assert [name for name, _ in ratios] == ["slim", "ops", "own", "function"], row
+        assert all(float(v) > 0 for _, v in ratios), row
+
+
+def test_the_small_cross_attention_script_takes_other_calls_and_the_batch_first_layout():
+    """``--inputs qk``: the query is the key, so as many queries as keys; ``--batch-first`` says so."""
+    result = run_script(
+        "small_cross_attention.py", "--shape", "2x4x32x4", "--memory", "6", "--repeats", "1", "--inputs", "qk",
+        "--batch-first",
+    )  # fmt: skip
+    rows = [line for line in result.stdout.splitlines() if line.startswith("B=2 ")]
+    assert len(rows) == 2 and all(row.startswith("B=2 L=6 S=6 ") and "batch-first" in row for row in rows), rows

@@ -297,3 +297,72 @@ def test_one_answer_on_both_sides_of_stock_ops_limit_with_a_padding_mask(batch, 
         assert_matches_stock(a[seen], e[seen], r[seen], what)
     # Where stock gives NaN: no key's value reaches the row, so it holds out_proj's bias, and zero weights.
     assert torch.equal(out[~seen], slim.out_proj.bias.detach().expand_as(out[~seen])) and not weights[~seen].any()
+
+
+@pytest.mark.parametrize("source", [96, 160, 640])  # cross: scores of 192 KiB, 320 KiB, 1.25 MiB; the limit: 256 KiB
+@pytest.mark.parametrize("inputs", ["three", "encoder-decoder", "query is key"])
+@pytest.mark.parametrize("mode", ["inference", "training with dropout"])
+def test_sequence_first_cross_attention_keeps_stocks_ops_past_the_limit(source, inputs, mode):
+    """DETR's decoder: sequence-first cross-attention with weights and a padding mask (and any call
+    whose query, key and value are not one tensor) takes stock's ops past their limit for other calls
+    (up to 4 MiB of fp32 scores), and equals stock's function given the same bias,
+    bit for bit (outputs, weights, strides, dropout draws, gradients). Batch-first cross-attention and
+    sequence-first self-attention keep the limit: past it they take slim's own path."""
+    if inputs == "query is key":  # as many queries as keys, 3.1 MiB of scores at most (the limit: 4 MiB)
+        source = min(source, 320)
+    length = source if inputs == "query is key" else 64
+    case = {"id": source, "batch": 2, "length": length, "source": source, "heads": 4, "width": 16}
+    case.update(batch_first=False, inputs=inputs, mode=mode)
+    _, slim = _modules(case, torch.float32)
+    generator = torch.Generator().manual_seed(source)
+    query, key, value = _tokens(case, generator, torch.float32)
+    padding = _padding(case, generator)
+    query.requires_grad_(mode != "inference")
+    call = AttentionCall(query, key, value, padding, True, None, True, False)
+    with torch.no_grad() if mode == "inference" else torch.enable_grad():
+        assert choose_path(slim, call).path == "stock ops"
+        torch.manual_seed(source)
+        out, weights = slim(query, key, value, key_padding_mask=padding)
+        torch.manual_seed(source)
+        expected = _stocks_function(slim, query, key, value, True, padding)
+    for actual, wanted, what in ((out, expected[0], "output"), (weights, expected[1], "weights")):
+        assert actual.stride() == wanted.stride(), what
+        assert torch.equal(actual, wanted), what
+    if mode != "inference":
+        _same_gradients(slim, query, (out, weights), expected)
+    past = 2 * 4 * length * source * 4 > 256 << 10  # B·H·L·S fp32 scores above stock's ops' limit
+    batch_first = SlimMultiheadAttention(16, 4, batch_first=True).train(slim.training)
+    transposed = {id(x): x.transpose(0, 1) for x in (query, key, value)}  # the call's identities kept
+    swapped = AttentionCall(*(transposed[id(x)] for x in (query, key, value)), padding, True, None, True, False)
+    assert choose_path(batch_first, swapped).path == ("general" if past else "stock ops")
+    itself = torch.randn(96, 2, 16, requires_grad=True)  # self-attention: scores of 288 KiB, past the limit
+    own = AttentionCall(itself, itself, itself, torch.zeros(2, 96, dtype=torch.bool), True, None, True, False)
+    assert choose_path(slim, own).path == "general"
+
+
+def test_sequence_first_cross_attention_leaves_stocks_ops_past_its_own_limit_or_where_a_row_sees_no_key():
+    """Past STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES (4 MiB of fp32 scores) slim's own path is the
+    faster, and a row masked from every key takes it at any size: there it gives stock's answer for
+    the other rows and zeros for that one (stock gives NaN)."""
+    case = {"id": 5, "batch": 2, "length": 64, "source": 640, "heads": 4, "width": 16}
+    case.update(batch_first=False, inputs="three", mode="inference")
+    stock, slim = _modules(case, torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = _tokens(case, generator, torch.float32)
+    padding = _padding(case, generator)
+    call = AttentionCall(query, key, value, padding, True, None, True, False)
+    assert choose_path(slim, call).path == "stock ops"  # 1.25 MiB
+    longer = torch.randn(2100, 2, 16, generator=generator)  # 2·4·64·2100·4 bytes: 4.1 MiB
+    longer_padding = torch.zeros(2, 2100, dtype=torch.bool)
+    assert choose_path(
+        slim, AttentionCall(query, longer, longer + 1, longer_padding, True, None, True, False)
+    ).path == ("general")
+    padding[1] = True  # the second sequence sees no key
+    assert choose_path(slim, call._replace(key_padding_mask=padding)).path == "general"
+    with torch.no_grad():
+        out, weights = slim(query, key, value, key_padding_mask=padding)
+        expected = stock(query, key, value, key_padding_mask=padding)
+        reference = float64_reference(stock, query, key, value, key_padding_mask=padding)
+    assert_matches_stock(out[:, 0], expected[0][:, 0], reference[0][:, 0], "output")
+    assert_matches_stock(weights[0], expected[1][0], reference[1][0], "weights")
+    assert torch.equal(out[:, 1], slim.out_proj.bias.detach().expand_as(out[:, 1])) and not weights[1].any()
