@@ -242,9 +242,10 @@ class SlimMultiheadAttention(nn.MultiheadAttention):
 
     def _slim_stock_ops(self, call: AttentionCall, plan: CallPlan) -> tuple[Tensor, Tensor | None]:
         """Stock's Python path with weights, without masks or with a bool padding mask under which every
-        query sees a key, without the key bias: its products, softmax, dropout, copies and layouts, so its rounding, strides and random draws, in fewer view
-        ops and without its argument checks, which are ``choose_path``'s. Parameters are read from
-        their dictionaries: at the sizes this path takes, each attribute read is a percent of a call."""
+        query sees a key, without the key bias: its products, softmax, dropout, copies and layouts, so
+        its rounding, strides and random draws, in fewer view ops and without its argument checks,
+        which are ``choose_path``'s. Parameters are read from their dictionaries: at the sizes this
+        path takes, each attribute read is a percent of a call."""
         query, key, value = sequence_first(*call[:3]) if self.batch_first else call[:3]
         (length, batch, width), heads, p = query.shape, self.num_heads, self._parameters
         # choose_path takes this path only with the packed projection and its bias: both are tensors

@@ -88,7 +88,7 @@ PATHS_TAKEN = {
     "nested": "nested tensors: stock's native kernel, the only one that takes them",
     "recorded": "attention maps are being recorded (slim_mha.recording_attention)",
     "stock kernel": "self-attention where stock's fast path runs its kernel: stock's own kernel given [b_q; 0; b_v]",
-    "stock ops": "a call with weights where stock's ops are the faster: stock's own ops without the key bias, the floor",
+    "stock ops": "a call with weights where stock's ops are the faster: stock's ops without the key bias, the floor",
     "sdpa": "self-attention without weights: one projection, scaled_dot_product_attention, the output projection",
     "general": "slim's own path",
 }
