@@ -262,18 +262,19 @@ def choose_path(
 def _general(
     module: nn.MultiheadAttention, call: AttentionCall, fast: bool, why: str, symbolic: bool, drops_weights=False
 ) -> CallPlan:
-    """Slim's own path for ``why``, with stock's layout for the call: ``fast``, the module's part of
-    stock's fast-path test, and the call's part (:func:`stock_returns_batch_major`)."""
-    query, key, value, key_padding_mask, _, attn_mask, _, _ = call
-    batch_major = fast and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
-    return CallPlan("general", why, symbolic, batch_major, drops_weights)
+    """Slim's own path for ``why``, with stock's layout for the call (``fast``: the module's part of
+    stock's fast-path test, as :func:`_module_facts` found it)."""
+    return CallPlan("general", why, symbolic, stock_layout(module, call, fast), drops_weights)
 
 
-def stock_layout(module: nn.MultiheadAttention, call: AttentionCall) -> bool:
-    """Whether stock returns ``call``'s output as ``(B, L, E)`` memory (its fast path), for a call that
-    no plan decided: a recomputation of the maps, or of the equivariance check."""
+def stock_layout(module: nn.MultiheadAttention, call: AttentionCall, fast: bool | None = None) -> bool:
+    """Whether stock returns ``call``'s output as ``(B, L, E)`` memory (its fast path): the module's part
+    of stock's fast-path test (``fast``, where the caller knows it) and the call's part
+    (:func:`stock_returns_batch_major`). Without ``fast``, for a call that no plan decided (a
+    recomputation of the maps, or of the equivariance check), the module's part is read afresh."""
     query, key, value, key_padding_mask, _, attn_mask, _, _ = call
-    _, fast = _module_facts(module, query, True)  # the module's part alone: no reason is read here
+    if fast is None:
+        _, fast = _module_facts(module, query, True)  # the module's part alone: no reason is read here
     return fast and stock_returns_batch_major(module, query, key, value, attn_mask, key_padding_mask)
 
 
