@@ -140,11 +140,12 @@ SKIP_YIELDS_TO_KERNEL_MAX_SCORE_BYTES = {
 # Sequence-first calls with weights other than self-attention (query, key and value not one tensor:
 # DETR's decoder makes two, its cross-attention and its self-attention over target plus positions)
 # take stock's ops up to this many bytes of scores instead. At B=2 E=256 H=8 with a padding mask, in
-# one process, up to 2.5 MiB: slim's own path read 0.79x-0.98x of stock, stock's ops 0.96x-1.02x; with
-# the key and value one tensor 0.91x-1.02x and 0.99x-1.02x, but for one training case at 2.5 MiB
-# (the own path 5% ahead). From 6 MiB the own path is as fast or faster (1.05x-1.23x in inference,
-# against 1.02x-1.04x). Batch-first calls read alike on both paths, so they keep the limit above;
-# bf16 and CUDA have not been measured (benchmarks/small_cross/README.md).
+# one process, up to 2.4 MiB: slim's own path read 0.78x-0.97x of stock, stock's ops 0.98x-1.03x; with
+# the key and value one tensor 0.92x-1.05x and 0.995x-1.02x, the own path ahead only at 2.4 MiB. From
+# 5.8 MiB the own path wins in inference (1.01x-1.21x against 0.98x-1.01x) and is within 1% in
+# training but once (0.95x against 0.99x at 9.8 MiB, query is key). Batch-first calls read alike on
+# both paths, so they keep the limit above; bf16 and CUDA have not been measured
+# (benchmarks/small_cross/README.md).
 STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES = {("cpu", torch.float32): 4 << 20}
 
 # Except for batch-first calls without a graph or dropout from this many bytes of scores on: there
