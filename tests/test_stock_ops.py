@@ -366,3 +366,39 @@ def test_sequence_first_cross_attention_leaves_stocks_ops_past_its_own_limit_or_
     assert_matches_stock(out[:, 0], expected[0][:, 0], reference[0][:, 0], "output")
     assert_matches_stock(weights[0], expected[1][0], reference[1][0], "weights")
     assert torch.equal(out[:, 1], slim.out_proj.bias.detach().expand_as(out[:, 1])) and not weights[1].any()
+
+
+@pytest.mark.parametrize("source", [2000, 2100])  # 3.9 MiB and 4.1 MiB of fp32 scores: the limit is 4 MiB
+@pytest.mark.parametrize("mask", ["bool", "float", "bool with a row that sees no key"])
+def test_one_answer_on_both_sides_of_the_sequence_first_limit(source, mask):
+    """DETR's cross-attention on either side of STOCK_OPS_SEQUENCE_FIRST_MAX_SCORE_BYTES: stock's ops
+    below it (bool masks under which every query sees a key), slim's own path above it and for every
+    other mask. Both give stock's function with its fast path off, within stock's rounding against a
+    float64 run, and a query masked from every key gets zero weights and no value (stock: NaN)."""
+    case = {"id": 13, "width": 16, "heads": 4, "batch_first": False, "mode": "training"}
+    stock, slim = _modules(case, torch.float32)
+    generator = torch.Generator().manual_seed(source)
+    query = torch.randn(64, 2, 16, generator=generator, requires_grad=True)
+    memory = torch.randn(source, 2, 16, generator=generator)
+    key = memory + torch.randn(source, 2, 16, generator=generator)
+    padding = torch.zeros(2, source, dtype=torch.bool)
+    padding[1, int(source * 0.85) :] = True
+    if mask == "bool with a row that sees no key":
+        padding[1] = True
+    given = padding if mask != "float" else torch.zeros(2, source).masked_fill(padding, float("-inf"))
+    path = choose_path(slim, AttentionCall(query, key, memory, given, True, None, True, False)).path
+    assert path == ("stock ops" if source == 2000 and mask == "bool" else "general")
+    out, weights = slim(query, key, memory, key_padding_mask=given)
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        expected = stock(query, key, memory, key_padding_mask=given)
+        reference = float64_reference(stock, query, key, memory, key_padding_mask=given)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
+    seen = ~padding.all(dim=-1)  # the batch rows whose queries see some key
+    assert_matches_stock(out[:, seen], expected[0][:, seen], reference[0][:, seen], "output")
+    assert_matches_stock(weights[seen], expected[1][seen], reference[1][seen], "weights")
+    assert torch.equal(out[:, ~seen], slim.out_proj.bias.detach().expand_as(out[:, ~seen])) and not weights[~seen].any()
+    (out.sum() + weights.sum()).backward()
+    assert torch.isfinite(query.grad).all()
