@@ -22,6 +22,7 @@ from slim_mha.paths import choose_path
 from _reference import (
     STOCK_MHA,
     assert_matches_stock,
+    fast_path_enabled,
     float64_reference,
     randomize_parameters,
 )
@@ -285,13 +286,9 @@ def test_one_answer_on_both_sides_of_stock_ops_limit_with_a_padding_mask(batch, 
     path = choose_path(slim, AttentionCall(x, x, x, given, True, None, True, False)).path
     assert path == ("stock ops" if batch <= 4 and mask == "bool" else "general")
     out, weights = slim(x, x, x, key_padding_mask=given)
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
+    with fast_path_enabled(False):
         expected = stock(x, x, x, key_padding_mask=given)
         reference = float64_reference(stock, x, x, x, key_padding_mask=given)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
     seen = ~padding.all(dim=-1)  # the sequences whose queries see some key
     for a, e, r, what in zip((out, weights), expected, reference, ("output", "weights")):
         assert_matches_stock(a[seen], e[seen], r[seen], what)
@@ -389,13 +386,9 @@ def test_one_answer_on_both_sides_of_the_sequence_first_limit(source, mask):
     path = choose_path(slim, AttentionCall(query, key, memory, given, True, None, True, False)).path
     assert path == ("stock ops" if source == 2000 and mask == "bool" else "general")
     out, weights = slim(query, key, memory, key_padding_mask=given)
-    previous = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
+    with fast_path_enabled(False):
         expected = stock(query, key, memory, key_padding_mask=given)
         reference = float64_reference(stock, query, key, memory, key_padding_mask=given)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(previous)
     seen = ~padding.all(dim=-1)  # the batch rows whose queries see some key
     assert_matches_stock(out[:, seen], expected[0][:, seen], reference[0][:, seen], "output")
     assert_matches_stock(weights[seen], expected[1][seen], reference[1][seen], "weights")
